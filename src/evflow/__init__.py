@@ -1,0 +1,18 @@
+"""evflow: reliable parallel event processing for particle physics over ZeroMQ."""
+
+from evflow.errors import EvflowError
+from evflow.processing import DataStore, EventMeta, Module, Param, Path, RunMeta, Source
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DataStore",
+    "EventMeta",
+    "EvflowError",
+    "Module",
+    "Param",
+    "Path",
+    "RunMeta",
+    "Source",
+    "__version__",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from evflow.cli import main
+
+sys.exit(main())

@@ -1,0 +1,61 @@
+"""The ``evflow`` command: one sub-command per module of this package.
+
+Each sub-command module defines ``register(subparsers)`` that adds its parser and sets
+``func`` (taking the parsed args, returning an exit code). Sub-command modules import
+heavy dependencies inside their handlers so that ``evflow --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from evflow.errors import EvflowError
+
+# module names under evflow.cli, each with register(subparsers)
+SUBCOMMANDS = ("run", "demo", "device", "ctl")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="evflow", description="Reliable parallel event processing over ZeroMQ."
+    )
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        try:
+            module = importlib.import_module(f"evflow.cli.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"evflow.cli.{name}":
+                continue  # sub-command not built yet
+            raise
+        module.register(sub)
+    return parser
+
+
+def _version() -> str:
+    from evflow import __version__
+
+    return f"evflow {__version__}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except EvflowError as exc:
+        # one clear line, no traceback storm: the error message names the problem
+        print(f"evflow: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("evflow: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

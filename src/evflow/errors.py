@@ -1,0 +1,85 @@
+"""Every exception evflow raises, grouped by cause.
+
+Messages name the object, the bad value, what was expected and, where there is one,
+the likely fix. Catch ``EvflowError`` to catch them all.
+"""
+
+from __future__ import annotations
+
+
+class EvflowError(Exception):
+    """Base of every evflow error."""
+
+
+# --- configuration: the user asked for something that cannot work -------------------
+class ConfigurationError(EvflowError, ValueError):
+    """A bad steering file, parameter, channel config, topology or command line."""
+
+
+class ParameterError(ConfigurationError):
+    """A module parameter that does not exist or has the wrong type."""
+
+
+class SteeringError(ConfigurationError):
+    """A steering file that does not compile or raises while it builds the path."""
+
+
+# --- input/output --------------------------------------------------------------------
+class InputError(EvflowError):
+    """An input file that is missing, unreadable or not what it claims to be."""
+
+
+class OutputError(EvflowError):
+    """An output that cannot be opened or written."""
+
+
+class CorruptRecordError(InputError):
+    """A record file whose header or a record fails its checks."""
+
+
+# --- processing ----------------------------------------------------------------------
+class ModuleError(EvflowError):
+    """User code raised inside a module hook; carries the module, hook and event uid."""
+
+    def __init__(
+        self, module: str, hook: str, uid: int | None, cause: BaseException, tb: str = ""
+    ) -> None:
+        where = f"module {module!r} raised in {hook}()"
+        if uid is not None:
+            where += f" on event uid={uid}"
+        super().__init__(f"{where}: {type(cause).__name__}: {cause}")
+        self.module = module
+        self.hook = hook
+        self.uid = uid
+        self.cause = cause
+        self.traceback_text = tb
+
+
+# --- wire and transport --------------------------------------------------------------
+class ProtocolError(EvflowError):
+    """A message that violates the wire protocol (bad type, header, frames or version)."""
+
+
+class CodecError(ProtocolError):
+    """An event that cannot be encoded, or frames that do not decode to an event."""
+
+
+class PeerLostError(EvflowError):
+    """A peer process died or stopped answering."""
+
+
+class ClosedError(EvflowError):
+    """An operation on something we closed ourselves."""
+
+
+class TimeoutError_(EvflowError, TimeoutError):
+    """A deadline passed."""
+
+
+# --- runtime -------------------------------------------------------------------------
+class StateTransitionError(EvflowError):
+    """A device state transition that the state machine does not allow."""
+
+
+class InternalError(EvflowError):
+    """A bug in evflow itself; please report it with the message."""

@@ -1,0 +1,1 @@
+"""evflow.processing.parallel layer."""

@@ -1,0 +1,1 @@
+"""evflow.qc layer."""

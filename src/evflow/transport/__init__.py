@@ -1,0 +1,1 @@
+"""evflow.transport layer."""

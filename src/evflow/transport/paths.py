@@ -1,0 +1,27 @@
+"""Where a session's ipc socket files live.
+
+Every session owns ``<base>/<session>/``; whoever creates it removes it (the
+supervisor for a run, the device for a standalone device). Tests check that nothing
+is left under the base directory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+#: names of shared-memory segments evflow creates start with this
+SHM_PREFIX = "evflow-"
+
+
+def runtime_base_dir() -> Path:
+    """``$EVFLOW_RUNTIME_DIR`` or ``/tmp/evflow-<uid>`` (short: ipc paths are limited to ~100 bytes)."""
+    env = os.environ.get("EVFLOW_RUNTIME_DIR")
+    return Path(env) if env else Path(f"/tmp/evflow-{os.getuid()}")
+
+
+def session_dir(session: str) -> Path:
+    """The ipc directory of ``session`` (created on demand, mode 0700)."""
+    path = runtime_base_dir() / session
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return path

@@ -1,0 +1,72 @@
+"""Shared fixtures: every test runs in its own runtime dir and must leave nothing behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _runtime_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Give each test a private EVFLOW_RUNTIME_DIR and fail it if ipc files or children remain."""
+    base = Path(f"/tmp/evt-{os.getpid()}-{time.monotonic_ns() % 10**9}")
+    base.mkdir(mode=0o700)
+    monkeypatch.setenv("EVFLOW_RUNTIME_DIR", str(base))
+    shm_before = _evflow_shm()
+    yield base
+    leftovers = _reap_children()
+    left_files = [str(p) for p in base.rglob("*")]
+    new_shm = _evflow_shm() - shm_before
+    for name in new_shm:
+        Path("/dev/shm", name).unlink(missing_ok=True)
+    for p in sorted(base.rglob("*"), reverse=True):
+        p.unlink() if not p.is_dir() else p.rmdir()
+    base.rmdir()
+    problems = []
+    if leftovers:
+        problems.append(f"child processes outlived the test: {leftovers}")
+    if left_files:
+        problems.append(f"ipc files outlived the test: {left_files}")
+    if new_shm:
+        problems.append(f"shared-memory segments outlived the test: {sorted(new_shm)}")
+    if problems:
+        pytest.fail("; ".join(problems))
+
+
+def _evflow_shm() -> set[str]:
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("evflow-")}
+    except FileNotFoundError:
+        return set()
+
+
+def _reap_children(grace_s: float = 2.0) -> list[str]:
+    """Kill what is still running below this process; return descriptions of it."""
+    me = psutil.Process()
+    deadline = time.monotonic() + grace_s
+    children = me.children(recursive=True)
+    while children and time.monotonic() < deadline:
+        # give processes that are exiting on their own a moment
+        alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            break
+        time.sleep(0.05)
+        children = me.children(recursive=True)
+    described = []
+    for child in me.children(recursive=True):
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                os.waitpid(child.pid, os.WNOHANG)
+                continue
+            described.append(f"{child.pid}:{' '.join(child.cmdline())[:80]}")
+            os.kill(child.pid, signal.SIGKILL)
+            os.waitpid(child.pid, 0)
+        except (psutil.NoSuchProcess, ChildProcessError, ProcessLookupError):
+            pass
+    return described

@@ -37,6 +37,10 @@ class CorruptRecordError(InputError):
     """A record file whose header or a record fails its checks."""
 
 
+class CheckpointError(InputError):
+    """A checkpoint file that is corrupt, of an unknown version or of another run."""
+
+
 # --- processing ----------------------------------------------------------------------
 class ModuleError(EvflowError):
     """User code raised inside a module hook; carries the module, hook and event uid."""

@@ -1,0 +1,199 @@
+"""The wire protocol: message types, framing, version check and bad-message accounting.
+
+A message is ZeroMQ frames ``[type: 1 byte][header: msgpack map][payload frames...]``.
+ROUTER sockets prepend the peer identity (:func:`split_identity` takes it off; send
+``[identity, *encode_message(...)]`` to answer). Payload frames are opaque here; for
+EVENTS they are codec frames (:mod:`evflow.wire.codec`).
+
+Receive loops never crash on bad bytes: they call :meth:`BadMessageCounter.decode`,
+which returns ``None`` for a malformed or unknown message after counting it (a metric)
+and logging the first one of each kind.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+import msgpack
+
+from evflow.errors import ProtocolError
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "BadMessageCounter",
+    "Message",
+    "MsgType",
+    "check_hello",
+    "decode_message",
+    "encode_message",
+    "hello_header",
+    "split_identity",
+]
+
+log = logging.getLogger("evflow.wire")
+
+# Bump when a message's layout or meaning changes; peers of another version are refused.
+PROTOCOL_VERSION = 1
+
+
+class MsgType(IntEnum):
+    """Message types; the value is the type byte. Add members at the end, never renumber."""
+
+    HELLO = 1  # {"protocol": PROTOCOL_VERSION, ...}: first message of a peer
+    READY = 2  # worker -> input: {"credit": n} events it can take
+    EVENTS = 3  # payload: codec frames of one event or a batch
+    CONFIRM = 4  # output -> input: {"uids": [...]} written and flushed
+    WORKER_LOST = 5
+    KILL = 6
+    END = 7  # end of stream, with counts; acknowledged before the sender exits
+    STOP = 8
+    TERMINATE = 9
+    STATE = 10
+    METRICS = 11
+    COMMAND = 12
+    REPLY = 13
+    RESULT = 14
+    GOODBYE = 15
+    HEARTBEAT = 16
+    ACK = 17  # generic acknowledgement (e.g. of END or GOODBYE)
+
+
+# Type byte -> MsgType, built once (members are added only at import time).
+_BY_BYTE: dict[int, MsgType] = {int(t): t for t in MsgType}
+_TYPE_FRAME: dict[int, bytes] = {int(t): bytes([int(t)]) for t in MsgType}
+_EMPTY_MAP = b"\x80"  # msgpack {}
+
+
+@dataclass(slots=True)
+class Message:
+    """A decoded message. ``payload`` frames are passed through untouched."""
+
+    type: MsgType
+    header: dict[Any, Any]
+    payload: Sequence[Any] = field(default_factory=tuple)
+
+
+def encode_message(
+    type: MsgType | int, header: dict[str, Any] | None = None, payload: Sequence[Any] = ()
+) -> list[Any]:
+    """Frames of one message. ``header`` values must be msgpack types."""
+    try:
+        type_frame = _TYPE_FRAME[type]
+    except KeyError:
+        raise ProtocolError(f"unknown message type {type!r} (not a MsgType)") from None
+    try:
+        head = msgpack.packb(header) if header else _EMPTY_MAP
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(f"cannot encode {MsgType(type).name} header: {exc}") from None
+    if payload:
+        return [type_frame, head, *payload]
+    return [type_frame, head]
+
+
+def _bad(kind: str, text: str) -> ProtocolError:
+    exc = ProtocolError(text)
+    exc.kind = kind  # type: ignore[attr-defined]  # read by BadMessageCounter
+    return exc
+
+
+def decode_message(frames: Sequence[Any]) -> Message:
+    """Validate and split ``frames``; raises :class:`ProtocolError` naming the problem.
+
+    ``frames`` items may be bytes, memoryview or ``zmq.Frame``. The header must be a
+    msgpack map; the payload is not inspected.
+    """
+    if len(frames) < 2:
+        raise _bad("short", f"message has {len(frames)} frame(s); expected type and header")
+    first = frames[0]
+    if type(first) is not bytes:
+        try:
+            first = bytes(first)
+        except Exception:
+            raise _bad("bad-type", "message type frame is not a byte buffer") from None
+    if len(first) != 1:
+        raise _bad("bad-type", f"message type frame has {len(first)} bytes; expected 1")
+    mtype = _BY_BYTE.get(first[0])
+    if mtype is None:
+        raise _bad("unknown-type", f"unknown message type byte {first[0]}")
+    try:
+        header = msgpack.unpackb(frames[1], raw=False, strict_map_key=False)
+    except Exception as exc:
+        raise _bad(
+            "bad-header", f"{mtype.name} header is not valid msgpack: {type(exc).__name__}: {exc}"
+        ) from None
+    if type(header) is not dict:
+        raise _bad("bad-header", f"{mtype.name} header is a {type(header).__name__}, not a map")
+    return Message(mtype, header, frames[2:])
+
+
+def split_identity(frames: Sequence[Any]) -> tuple[bytes, Sequence[Any]]:
+    """ROUTER traffic: ``(identity, message frames)``; raises ProtocolError if empty."""
+    if len(frames) < 2:
+        raise _bad("short", f"routed message has {len(frames)} frame(s); expected identity first")
+    ident = frames[0]
+    return (ident if type(ident) is bytes else bytes(ident)), frames[1:]
+
+
+def hello_header(**extra: Any) -> dict[str, Any]:
+    """A HELLO header carrying our protocol version plus ``extra`` fields."""
+    return {"protocol": PROTOCOL_VERSION, **extra}
+
+
+def check_hello(header: dict[Any, Any]) -> None:
+    """Refuse a HELLO from a peer of another protocol version (names both versions)."""
+    theirs = header.get("protocol")
+    if theirs != PROTOCOL_VERSION or type(theirs) is not int:
+        raise _bad(
+            "version",
+            f"peer speaks evflow protocol version {theirs!r}, we speak {PROTOCOL_VERSION}; "
+            "run the same evflow version on every host",
+        )
+
+
+class BadMessageCounter:
+    """Counts malformed/unknown messages per kind and logs the first of each kind.
+
+    ``counts`` (kind -> n) and ``total`` feed the metrics. ``where`` names the receiver
+    (e.g. a device id and channel) in the log line.
+    """
+
+    __slots__ = ("counts", "logger", "total", "where")
+
+    def __init__(self, where: str = "", logger: logging.Logger | None = None) -> None:
+        self.where = where
+        self.logger = logger or log
+        self.counts: dict[str, int] = {}
+        self.total = 0
+
+    def record(self, kind: str, detail: str = "") -> None:
+        """Count one bad message of ``kind``; log it if it is the first of its kind."""
+        n = self.counts.get(kind, 0) + 1
+        self.counts[kind] = n
+        self.total += 1
+        if n == 1:
+            where = f" on {self.where}" if self.where else ""
+            self.logger.warning(
+                "dropped bad message%s (%s): %s; further ones of this kind are only counted",
+                where,
+                kind,
+                detail,
+            )
+
+    def record_error(self, exc: BaseException) -> None:
+        """Count an error raised by a decoder (its ``kind`` attribute, else its class)."""
+        self.record(getattr(exc, "kind", type(exc).__name__), str(exc))
+
+    def decode(self, frames: Sequence[Any]) -> Message | None:
+        """``decode_message(frames)``, or ``None`` after counting a bad message."""
+        try:
+            return decode_message(frames)
+        except ProtocolError as exc:
+            self.record_error(exc)
+            return None
+
+    def __repr__(self) -> str:
+        return f"<BadMessageCounter {self.where!r} total={self.total} counts={self.counts}>"

@@ -2,6 +2,9 @@
 
 from evflow.errors import EvflowError
 from evflow.processing import DataStore, EventMeta, Module, Param, Path, RunMeta, Source
+from evflow.processing.api import process
+from evflow.processing.options import ProcessOptions
+from evflow.processing.summary import RunSummary
 
 __version__ = "0.1.0"
 
@@ -12,7 +15,10 @@ __all__ = [
     "Module",
     "Param",
     "Path",
+    "ProcessOptions",
     "RunMeta",
+    "RunSummary",
     "Source",
     "__version__",
+    "process",
 ]

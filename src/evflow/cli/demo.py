@@ -1,0 +1,62 @@
+"""``evflow demo [-n N] [-p N] [-o DIR] [--quiet]``: the H->ZZ analysis on real data."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from evflow.cli.run import non_negative_int, show_user_traceback
+from evflow.errors import EvflowError
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="run the demo analysis on real data (uproot-HZZ.root)",
+        description="Select muons and electrons in uproot-HZZ.root (scikit-hep-testdata), "
+        "build dimuon and four-lepton masses, fill histograms, keep events with a "
+        "dimuon candidate, write them to a ROOT file and plot the masses.",
+    )
+    parser.add_argument(
+        "-n",
+        "--max-events",
+        type=non_negative_int,
+        default=None,
+        metavar="N",
+        help="process at most N events (default: all 2421)",
+    )
+    parser.add_argument(
+        "-p",
+        "--workers",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="worker processes (0: run in this process)",
+    )
+    parser.add_argument(
+        "-o",
+        "--output-dir",
+        default="demo-output",
+        metavar="DIR",
+        help="where to write selected.root, histograms.root and masses.png "
+        "(default: ./demo-output)",
+    )
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")
+    parser.set_defaults(func=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    from evflow.demo import run_demo
+
+    try:
+        result = run_demo(
+            args.output_dir, max_events=args.max_events, workers=args.workers, quiet=args.quiet
+        )
+    except EvflowError as exc:
+        show_user_traceback(exc)
+        raise
+    if not args.quiet:
+        print(f"selected events: {result.selected_root}")
+        print(f"histograms:      {result.histograms_root}")
+        print(f"plot:            {result.plot_png}")
+    return 0

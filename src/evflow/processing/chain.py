@@ -1,0 +1,164 @@
+"""Run the hooks of a list of modules in one process, with statistics and clear errors.
+
+The sequential processor runs a whole path through one ``ModuleChain``; a parallel
+run gives each process (input, worker, output) a chain of its part of the path. User
+exceptions become ``ModuleError`` (module, hook, event uid, user traceback); evflow's
+own errors (e.g. ``OutputError`` from a writer) pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from evflow.errors import EvflowError, ModuleError
+from evflow.processing.datastore import FLAG_DROPPED, DataStore, RunMeta
+from evflow.processing.module import Module, Source
+from evflow.processing.statistics import ModuleStatistics, StatisticsCollector
+
+log = logging.getLogger(__name__)
+
+_clock = time.perf_counter  # monotonic, finest resolution: for durations only
+
+
+class ModuleChain:
+    """Modules of (a part of) a path, run in order in this process.
+
+    A ``Source`` at position 0 takes part in the run hooks but not in ``event``: the
+    processor reads from it and reports the time with ``add_source_time``.
+    ``persistent`` is this process's run-level store; every event gets it as
+    ``store.persistent``.
+    """
+
+    def __init__(
+        self,
+        modules: Sequence[Module],
+        process: str = "main",
+        persistent: dict[str, Any] | None = None,
+    ) -> None:
+        self.modules = list(modules)
+        self.persistent: dict[str, Any] = persistent if persistent is not None else {}
+        self.stats = StatisticsCollector([m.name for m in self.modules], process)
+        first = 1 if self.modules and isinstance(self.modules[0], Source) else 0
+        # bound methods looked up once: the per-event loop does no attribute lookups
+        self._event_calls: list[tuple[int, Module, Callable[[DataStore], bool | None]]] = [
+            (i, m, m.event) for i, m in enumerate(self.modules) if i >= first
+        ]
+        self._initialized: list[Module] = []
+        self._terminated = False
+        self.run: RunMeta | None = None
+
+    # --- per event ----------------------------------------------------------------------
+    def event(self, store: DataStore) -> bool:
+        """Run ``store`` through the modules; False when a module dropped it."""
+        store.persistent = self.persistent
+        calls, times, dropped = self.stats.calls, self.stats.time_s, self.stats.dropped
+        for i, module, call in self._event_calls:
+            t0 = _clock()
+            try:
+                keep = call(store)
+            except EvflowError:
+                raise
+            except Exception as exc:
+                raise ModuleError(
+                    module.name, "event", store.meta.uid, exc, user_traceback(exc)
+                ) from exc
+            times[i] += _clock() - t0
+            calls[i] += 1
+            if keep is False:
+                dropped[i] += 1
+                store.meta.flags |= FLAG_DROPPED
+                return False
+        return True
+
+    def add_source_time(self, seconds: float) -> None:
+        """Count one event produced by the source at position 0 in ``seconds``."""
+        self.stats.calls[0] += 1
+        self.stats.time_s[0] += seconds
+
+    # --- run hooks ----------------------------------------------------------------------
+    def initialize(self) -> None:
+        for module in self.modules:
+            self._hook(module, "initialize", module.initialize)
+            self._initialized.append(module)
+
+    def switch_run(self, experiment: int, run: int) -> None:
+        """Call end_run/begin_run when (experiment, run) differs from the current run."""
+        current = self.run
+        if current is not None and current.experiment == experiment and current.run == run:
+            return
+        if current is not None:
+            self.end_run()
+        self.run = RunMeta(experiment, run)
+        for module in self.modules:
+            self._hook(module, "begin_run", lambda m=module: m.begin_run(self.run))  # type: ignore[misc]
+
+    def end_run(self) -> None:
+        """End the current run, if one is open."""
+        run, self.run = self.run, None
+        if run is None:
+            return
+        for module in self.modules:
+            self._hook(module, "end_run", lambda m=module: m.end_run(run))  # type: ignore[misc]
+
+    def terminate(self) -> None:
+        """Terminate every module in path order (once)."""
+        if self._terminated:
+            return
+        self._terminated = True
+        for module in self._initialized:
+            self._hook(module, "terminate", module.terminate)
+
+    def abort(self) -> None:
+        """After an error: terminate the writers so what they wrote stays readable.
+
+        Other modules are left alone (their state is unknown). Errors from the writers
+        are logged, never raised: they must not hide the error that stopped the run.
+        """
+        if self._terminated:
+            return
+        self._terminated = True
+        for module in self._initialized:
+            if not is_writer(module):
+                continue
+            try:
+                module.terminate()
+            except Exception:
+                log.exception("writer %r failed to close after an error", module.name)
+
+    def statistics(self) -> list[ModuleStatistics]:
+        return self.stats.snapshot()
+
+    def writers(self) -> list[Module]:
+        return [m for m in self.modules if is_writer(m)]
+
+    @staticmethod
+    def _hook(module: Module, hook: str, call: Callable[[], None]) -> None:
+        try:
+            call()
+        except EvflowError:
+            raise
+        except Exception as exc:
+            raise ModuleError(module.name, hook, None, exc, user_traceback(exc)) from exc
+
+
+def is_writer(module: Module) -> bool:
+    """Whether ``module`` writes output (an ``evflow.io.writer.Writer`` or one in shape)."""
+    try:
+        from evflow.io.writer import Writer
+    except ImportError:
+        Writer = None  # the I/O layer may not be importable in a stripped install
+    if Writer is not None and isinstance(module, Writer):
+        return True
+    return all(callable(getattr(module, name, None)) for name in ("flush", "close", "write_raw"))
+
+
+def user_traceback(exc: BaseException) -> str:
+    """The traceback of ``exc`` without the frames of this wrapper module."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))

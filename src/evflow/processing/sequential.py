@@ -1,0 +1,126 @@
+"""Run a path over all events in this process (basf2's sequential mode).
+
+initialize all modules; for every event from the source: begin_run/end_run at a change
+of (experiment, run), then ``event`` on each module until one drops it; at the end
+end_run and terminate. A module that raises stops the run with a ``ModuleError`` after
+the writers are terminated, so everything written so far stays readable.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from evflow.errors import ConfigurationError, EvflowError, ModuleError
+from evflow.monitor.console import ConsoleProgress
+from evflow.processing.chain import ModuleChain, is_writer, user_traceback
+from evflow.processing.options import ProcessOptions
+from evflow.processing.path import Path
+from evflow.processing.summary import RunSummary
+
+_clock = time.perf_counter
+
+
+def run_sequential(path: Path, options: ProcessOptions | None = None) -> RunSummary:
+    """Process every event of ``path``'s source (up to ``options.max_events``)."""
+    options = options if options is not None else ProcessOptions()
+    source = path.source
+    if source is None:
+        first = path.modules[0].name if len(path) else "nothing"
+        raise ConfigurationError(
+            f"the path has no source: its first module is {first}; start it with a "
+            f"Source such as RootInput, RecordInput or ToyGenerator"
+        )
+    chain = ModuleChain(path.modules, process="main")
+    total = source.total()
+    if options.max_events is not None:
+        total = options.max_events if total is None else min(total, options.max_events)
+    progress = ConsoleProgress(
+        total,
+        enabled=options.show_progress(_isatty(sys.stderr)),
+        interval_s=options.progress_interval_s,
+    )
+    read = written = 0
+    start = time.monotonic()
+    try:
+        chain.initialize()
+        progress.start()
+        read, written = _event_loop(chain, source, options.max_events, progress)
+        chain.end_run()
+        progress.stop(read)
+        chain.terminate()
+    except BaseException:  # KeyboardInterrupt too: close the writers, then stop
+        progress.stop()
+        chain.abort()
+        raise
+    wall_s = time.monotonic() - start
+    stats = chain.statistics()
+    return RunSummary(
+        events_read=read,
+        events_written=written,
+        events_dropped=sum(s.dropped for s in stats),
+        wall_s=wall_s,
+        workers=0,
+        modules=tuple(stats),
+        persistent=chain.persistent,
+        outputs=tuple(_output_files(chain)),
+    )
+
+
+def _event_loop(
+    chain: ModuleChain, source: Any, max_events: int | None, progress: ConsoleProgress
+) -> tuple[int, int]:
+    """The hot loop: per event one source step, the modules, and a clock comparison."""
+    read = written = 0
+    events = source.events(0)
+    limit = max_events if max_events is not None else -1
+    current: tuple[int, int] | None = None
+    next_due = progress.next_due
+    monotonic = time.monotonic
+    try:
+        while read != limit:
+            t0 = _clock()
+            try:
+                store = next(events)
+            except StopIteration:
+                break
+            except EvflowError:
+                raise
+            except Exception as exc:
+                raise ModuleError(source.name, "events", None, exc, user_traceback(exc)) from exc
+            chain.add_source_time(_clock() - t0)
+            read += 1
+            meta = store.meta
+            if current is None or (meta.experiment, meta.run) != current:
+                current = (meta.experiment, meta.run)
+                chain.switch_run(*current)
+            if chain.event(store):
+                written += 1
+            if next_due != float("inf"):
+                now = monotonic()
+                if now >= next_due:
+                    progress.update(read, now)
+                    next_due = progress.next_due
+    finally:
+        close = getattr(events, "close", None)
+        if close is not None:
+            close()  # a generator source closes its files now, not at garbage collection
+    return read, written
+
+
+def _output_files(chain: ModuleChain) -> list[str]:
+    files = []
+    for module in chain.modules:
+        if is_writer(module):
+            value = module.params.get("file") or getattr(module, "file", None)
+            if value:
+                files.append(str(value))
+    return files
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False

@@ -1,0 +1,123 @@
+"""The result of a run and how it is shown: counts, rate and the module table."""
+
+from __future__ import annotations
+
+import io
+import sys
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from evflow.processing.statistics import ModuleStatistics, merge_statistics, processes_of
+
+
+@dataclass(frozen=True, slots=True)
+class RunSummary:
+    """What ``evflow.process`` returns.
+
+    ``events_read`` came out of the source, ``events_written`` reached the end of the
+    path, ``events_dropped`` were dropped by a module, ``events_quarantined`` were
+    written raw after too many failed attempts (parallel only). ``wall_s`` is the
+    wall time of the event loop in seconds. ``modules`` holds one row per module and
+    process (see ``ModuleStatistics.process``). ``persistent`` is the run-level store
+    (``store.persistent``; merged over workers in a parallel run), e.g. histograms.
+    ``counters`` carries extra figures by name (restarts, retries, ...).
+    """
+
+    events_read: int = 0
+    events_written: int = 0
+    events_dropped: int = 0
+    events_quarantined: int = 0
+    wall_s: float = 0.0
+    workers: int = 0
+    modules: tuple[ModuleStatistics, ...] = ()
+    persistent: dict[str, Any] = field(default_factory=dict)
+    counters: dict[str, int | float] = field(default_factory=dict)
+    outputs: tuple[str, ...] = ()
+    interrupted: bool = False
+
+    @property
+    def rate_hz(self) -> float:
+        """Events read per second of wall time."""
+        return self.events_read / self.wall_s if self.wall_s > 0 else 0.0
+
+    def module_totals(self) -> list[ModuleStatistics]:
+        """One row per module, summed over processes."""
+        return merge_statistics(self.modules)
+
+    def render(self, file: IO[str] | None = None, width: int | None = None) -> None:
+        """Print the summary and the module statistics table (rich) to ``file``."""
+        from rich.console import Console
+
+        stream = file if file is not None else sys.stdout
+        console = Console(file=stream, width=width, highlight=False, soft_wrap=False)
+        console.print(self._summary_line(), soft_wrap=True)
+        if self.modules:
+            console.print(self._table())
+
+    def __str__(self) -> str:
+        buf = io.StringIO()
+        self.render(buf, width=120)
+        return buf.getvalue()
+
+    def _summary_line(self) -> str:
+        mode = f"{self.workers} worker(s)" if self.workers else "sequential"
+        parts = [
+            f"{self.events_read} read",
+            f"{self.events_written} written",
+            f"{self.events_dropped} dropped",
+        ]
+        if self.events_quarantined:
+            parts.append(f"{self.events_quarantined} quarantined")
+        text = (
+            f"evflow: {', '.join(parts)} events in {self.wall_s:.2f} s "
+            f"({self.rate_hz:,.0f} events/s, {mode})"
+        )
+        if self.interrupted:
+            text += " [interrupted]"
+        for name, value in self.counters.items():
+            text += f"\n  {name}: {value}"
+        return text
+
+    def _table(self) -> Any:
+        from rich.table import Table
+
+        processes = processes_of(self.modules)
+        per_process = len(processes) > 1
+        table = Table(title="Module statistics", title_justify="left")
+        table.add_column("Module")
+        table.add_column("Calls", justify="right")
+        table.add_column("Dropped", justify="right")
+        table.add_column("Time (s)", justify="right")
+        table.add_column("Time/call (ms)", justify="right")
+        table.add_column("Share", justify="right")
+        if per_process:
+            for proc in processes:
+                table.add_column(f"{proc}\ncalls / ms", justify="right")
+        totals = self.module_totals()
+        grand_s = sum(row.time_s for row in totals) or 1.0
+        by_key = {(row.module, row.process): row for row in self.modules}
+        for row in totals:
+            cells = [
+                row.module,
+                f"{row.calls:,}",
+                f"{row.dropped:,}",
+                f"{row.time_s:.3f}",
+                f"{row.mean_ms:.4f}",
+                f"{100 * row.time_s / grand_s:.1f}%",
+            ]
+            if per_process:
+                for proc in processes:
+                    one = by_key.get((row.module, proc))
+                    cells.append(f"{one.calls:,} / {one.mean_ms:.3f}" if one else "")
+            table.add_row(*cells)
+        table.add_section()
+        table.add_row(
+            "Total",
+            f"{self.events_read:,}",
+            f"{self.events_dropped:,}",
+            f"{sum(r.time_s for r in totals):.3f}",
+            "",
+            "",
+            *([""] * len(processes) if per_process else []),
+        )
+        return table

@@ -1,0 +1,182 @@
+"""``evflow run``: exit codes and one clear line per mistake (some in a real subprocess)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from evflow.cli import main
+from evflow.io.records import RecordInput
+
+GOOD = """\
+import evflow
+from evflow.io.generators import ToyGenerator
+
+class Odd(evflow.Module):
+    parallel = True
+    def event(self, store):
+        return store.meta.uid % 2 == 1
+
+path = evflow.Path([ToyGenerator(n_events=20, payload_bytes=16), Odd()])
+evflow.process(path)
+"""
+
+RAISES = """\
+import evflow
+from evflow.io.generators import ToyGenerator
+
+def calibrate(value):
+    return {"a": 1}[value]
+
+class Calib(evflow.Module):
+    def event(self, store):
+        if store.meta.uid == 3:
+            calibrate("missing-key")
+
+evflow.process(evflow.Path([ToyGenerator(n_events=10), Calib()]))
+"""
+
+
+def steering(tmp_path: Path, text: str, name: str = "steer.py") -> str:
+    file = tmp_path / name
+    file.write_text(textwrap.dedent(text))
+    return str(file)
+
+
+def run_cli(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "evflow", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
+def test_run_writes_output_and_honours_max_events(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "sel.evf"
+    code = main(["run", steering(tmp_path, GOOD), "-n", "10", "-o", str(out)])
+    assert code == 0
+    assert [s.meta.uid for s in RecordInput(file=str(out)).events()] == [1, 3, 5, 7, 9]
+    stdout = capsys.readouterr().out
+    assert "10 read, 5 written, 5 dropped" in stdout
+    assert "Module statistics" in stdout
+
+
+def test_quiet_prints_nothing(tmp_path: Path, capsys) -> None:
+    assert main(["run", steering(tmp_path, GOOD), "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == ""
+
+
+def test_syntax_error_is_one_line_without_traceback(tmp_path: Path) -> None:
+    file = steering(tmp_path, "import evflow\n\nx = (1,\n")
+    result = run_cli("run", file)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"evflow: error: {file}:3: syntax error")
+    assert "Traceback" not in result.stderr
+
+
+def test_module_raising_shows_user_traceback_once_then_one_line(tmp_path: Path) -> None:
+    file = steering(tmp_path, RAISES)
+    result = run_cli("run", file, "--quiet")
+    assert result.returncode == 1
+    err = result.stderr
+    assert err.count("Traceback (most recent call last)") == 1
+    assert 'calibrate("missing-key")' in err and 'return {"a": 1}[value]' in err
+    assert "evflow/processing" not in err  # no framework frames in the user's traceback
+    last = err.strip().splitlines()[-1]
+    assert last == (
+        "evflow: error: module 'Calib' raised in event() on event uid=3: KeyError: 'missing-key'"
+    )
+
+
+def test_unknown_parameter_is_one_line(tmp_path: Path) -> None:
+    file = steering(
+        tmp_path,
+        "import evflow\nfrom evflow.io.generators import ToyGenerator\n"
+        "evflow.process(evflow.Path([ToyGenerator(payload=3)]))\n",
+    )
+    result = run_cli("run", file)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"evflow: error: {file}:3: module 'ToyGenerator' has no parameter 'payload' "
+        "(known: experiment, n_events, payload_bytes, run, seed, work_ms)"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("body", "expect"),
+    [
+        ("x = 1\nraise RuntimeError('no luck')\n", ":2: RuntimeError: no luck"),
+        (
+            "import evflow\nfrom evflow.io.generators import ToyGenerator\n"
+            "ToyGenerator(n_events=1.5)\n",
+            "'n_events' expects int, got float 1.5",
+        ),
+        (
+            "import evflow\nfrom evflow.io.records import RecordInput\n"
+            "evflow.process(evflow.Path([RecordInput(file='missing.evf')]))\n",
+            "missing.evf",
+        ),
+    ],
+    ids=["exception", "wrong-type", "missing-input"],
+)
+def test_bad_steering_is_one_error_line(tmp_path: Path, capsys, body: str, expect: str) -> None:
+    code = main(["run", steering(tmp_path, body)])
+    assert code == 1
+    err_lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert err_lines[-1].startswith("evflow: error: ")
+    assert expect in err_lines[-1]
+
+
+def test_unwritable_output_is_one_line(tmp_path: Path, capsys) -> None:
+    code = main(["run", steering(tmp_path, GOOD), "-o", "/no/such/dir/out.root"])
+    assert code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "evflow: error: cannot write output '/no/such/dir/out.root': "
+        "directory '/no/such/dir' does not exist"
+    ]
+
+
+def test_missing_steering_file(tmp_path: Path, capsys) -> None:
+    assert main(["run", str(tmp_path / "nope.py")]) == 1
+    assert "nope.py' does not exist" in capsys.readouterr().err
+
+
+def test_bad_command_line_exits_2(tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["run", steering(tmp_path, GOOD), "-n", "-3"])
+    assert info.value.code == 2
+    assert "expected a number >= 0" in capsys.readouterr().err
+
+
+def test_parallel_option_reaches_process(tmp_path: Path, monkeypatch, capsys) -> None:
+    seen = {}
+
+    def fake_dispatch(path, options):
+        seen["workers"] = options.workers
+        from evflow.processing.sequential import run_sequential
+
+        return run_sequential(path, options)
+
+    monkeypatch.setattr("evflow.processing.api._dispatch", fake_dispatch)
+    assert main(["run", steering(tmp_path, GOOD), "-p", "3", "-q"]) == 0
+    assert seen == {"workers": 3}
+
+
+def test_steering_arguments_after_double_dash(tmp_path: Path, capsys) -> None:
+    file = steering(
+        tmp_path,
+        "import sys, evflow\nfrom evflow.io.generators import ToyGenerator\n"
+        "n = int(sys.argv[1])\n"
+        "evflow.process(evflow.Path([ToyGenerator(n_events=n)]))\n",
+    )
+    assert main(["run", file, "--", "6"]) == 0
+    assert "6 read" in capsys.readouterr().out

@@ -1,0 +1,495 @@
+"""The input's ledger: every event sent and not yet confirmed written by the output.
+
+The ledger, not the transport, decides that an event is safe (DESIGN.md, "End of
+stream is a message"). The input ``add``s an event when it first sends it and keeps a
+reference to its encoded frames (no copy); the output ``confirm``s uids in batches
+after it has written and flushed them. What is still in the ledger when a worker dies,
+times out or the output restarts is sent again with ``attempt + 1``.
+
+Blame. A worker holds up to ``event_buffer`` events, so when it dies we do not always
+know which event killed it. The rule: if the dead worker held exactly one unconfirmed
+event (or the engine names the culprit, e.g. for a Python exception), that event is
+charged a failure. Otherwise nobody is charged and every event of the worker comes
+back with ``isolate = True``: the engine should send such an event to a worker that
+holds nothing else, so that the next failure is charged exactly. As a safety net every
+second death an event is a suspect in is charged, so even with an engine that does not
+isolate, a poison event is quarantined after ``2 * max_attempts`` deaths. An event
+charged ``max_attempts`` failures is *poisoned*: it is not retried; the input sends it
+raw to the output to be written with ``FLAG_QUARANTINED`` and the reasons
+(``entry.reasons``).
+
+Cost per event: one dict insert and one delete by uid, one append to the per-worker
+dict, and an amortised O(1) pop from a deque of send order for the checkpoint
+position (positions are added in increasing order; no sorting).
+"""
+
+from __future__ import annotations
+
+import enum
+import signal
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from evflow.errors import ConfigurationError, InternalError
+
+Clock = Callable[[], float]
+
+
+class EntryState(enum.Enum):
+    IN_FLIGHT = "in-flight"  # sent to a worker, not confirmed
+    PENDING = "pending"  # requeued, waiting to be sent again
+    POISONED = "poisoned"  # max_attempts failures: to be written quarantined
+    CONFIRMED = "confirmed"  # written and flushed by the output; gone from the ledger
+
+
+# plain module globals: enum attribute lookups cost ~50 ns each on the hot path
+_IN_FLIGHT = EntryState.IN_FLIGHT
+_PENDING = EntryState.PENDING
+_POISONED = EntryState.POISONED
+_CONFIRMED = EntryState.CONFIRMED
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """Why an attempt failed: ``kind`` is timeout, signal, exit, exception or lost."""
+
+    kind: str
+    detail: str
+
+    @classmethod
+    def timeout(cls, timeout_s: float) -> Failure:
+        return cls("timeout", f"no result within event_timeout_s={timeout_s:g} s")
+
+    @classmethod
+    def from_returncode(cls, returncode: int) -> Failure:
+        """A worker's exit: negative = killed by that signal (subprocess convention)."""
+        if returncode < 0:
+            signum = -returncode
+            try:
+                name = signal.Signals(signum).name
+            except ValueError:
+                name = "unknown signal"
+            return cls("signal", f"worker killed by signal {signum} ({name})")
+        return cls("exit", f"worker exited with code {returncode}")
+
+    @classmethod
+    def exception(cls, text: str) -> Failure:
+        return cls("exception", text)
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.detail}"
+
+
+class LedgerEntry:
+    """One event sent and not confirmed. ``frames`` is the encoded event, by reference.
+
+    A plain slotted class (not a dataclass) because one is made per event on the
+    input's hot path; the rarely used fields have class-level defaults.
+    """
+
+    __slots__ = (
+        "attempt",
+        "failures",
+        "frames",
+        "isolate",
+        "position",
+        "reasons",
+        "sent_at_s",
+        "state",
+        "suspicions",
+        "uid",
+        "worker",
+    )
+
+    def __init__(
+        self,
+        uid: int,
+        position: int,
+        worker: Hashable | None,
+        sent_at_s: float,
+        attempt: int,
+        frames: Sequence[Any],
+    ) -> None:
+        self.uid = uid
+        self.position = position
+        self.worker = worker
+        self.sent_at_s = sent_at_s
+        self.attempt = attempt
+        self.frames = frames
+        self.state = _IN_FLIGHT
+        self.failures = 0  # attempts charged as failed
+        self.suspicions = 0  # deaths it was in without being charged
+        self.isolate = False  # send it to a worker holding nothing else
+        self.reasons: tuple[str, ...] = ()  # why attempts failed, oldest first
+
+    @property
+    def poisoned(self) -> bool:
+        return self.state is _POISONED
+
+    @property
+    def reason(self) -> str:
+        """All failure reasons, oldest first, as one line (for the quarantine flag)."""
+        return "; ".join(self.reasons)
+
+    def __repr__(self) -> str:
+        return (
+            f"<LedgerEntry uid={self.uid} position={self.position} {self.state.value} "
+            f"worker={self.worker!r} attempt={self.attempt} failures={self.failures}>"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerStatistics:
+    """Counters of a ledger since it was made (units: events, except where noted)."""
+
+    in_flight: int  # entries sent to a worker and not confirmed
+    pending: int  # requeued entries waiting to be sent again
+    poisoned_pending: int  # poisoned entries not yet confirmed written
+    unconfirmed: int  # all entries (= len(ledger))
+    max_unconfirmed: int
+    added: int
+    confirmed: int
+    duplicate_confirms: int  # a uid confirmed twice (a late result after a retry)
+    unknown_confirms: int  # a uid this ledger never had (or confirmed long ago)
+    requeued: int  # entries sent back for another attempt
+    failures: int  # attempts charged as failed
+    timeouts: int  # failures whose kind is timeout
+    poisoned: int  # entries that reached max_attempts
+    checkpoint_position: int
+
+
+class Ledger:
+    """Events sent and not yet confirmed, keyed by uid.
+
+    ``event_timeout_s`` is how long a worker may go without progress while holding an
+    event (progress = one of its events confirmed, or ``progress(worker)``); ``None``
+    disables timeouts. ``clock`` returns seconds (``time.monotonic`` by default).
+    """
+
+    # confirmed uids remembered (1 to 2 times this) to tell duplicate from unknown confirms
+    RECENT_CONFIRMS = 65536
+
+    def __init__(
+        self,
+        *,
+        max_attempts: int = 3,
+        event_timeout_s: float | None = None,
+        start_position: int = 0,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        if max_attempts < 1:
+            raise ConfigurationError(f"max_attempts must be >= 1, got {max_attempts}")
+        if event_timeout_s is not None and not event_timeout_s > 0:
+            raise ConfigurationError(f"event_timeout_s must be > 0 or None, got {event_timeout_s}")
+        self.max_attempts = max_attempts
+        self.event_timeout_s = event_timeout_s
+        self._clock = clock
+        self._entries: dict[int, LedgerEntry] = {}
+        self._by_worker: dict[Hashable, dict[int, LedgerEntry]] = {}
+        self._progress_s: dict[Hashable, float] = {}
+        self._order: deque[LedgerEntry] = deque()  # send order = increasing position
+        self._next_position = start_position
+        # recently confirmed uids, two generations: tells duplicate confirms from unknown
+        self._recent: set[int] = set()
+        self._recent_old: set[int] = set()
+        self._pending = 0
+        self._poisoned_pending = 0
+        self._max_unconfirmed = 0
+        self._added = 0
+        self._confirmed = 0
+        self._duplicate_confirms = 0
+        self._unknown_confirms = 0
+        self._requeued = 0
+        self._failures = 0
+        self._timeouts = 0
+        self._poisoned = 0
+
+    # --- the hot path -------------------------------------------------------------------
+    def add(
+        self,
+        uid: int,
+        position: int,
+        worker: Hashable,
+        frames: Sequence[Any],
+        attempt: int = 1,
+        now: float | None = None,
+    ) -> LedgerEntry:
+        """Record an event just sent to ``worker``. Positions must not decrease.
+
+        ``now`` (clock seconds) saves a clock call per event when the caller adds a
+        batch sent at one moment.
+        """
+        entry = LedgerEntry(
+            uid, position, worker, self._clock() if now is None else now, attempt, frames
+        )
+        self._insert(entry, self._worker_dict(worker))
+        n = len(self._entries)
+        if n > self._max_unconfirmed:
+            self._max_unconfirmed = n
+        return entry
+
+    def add_batch(
+        self,
+        events: Iterable[tuple[int, int, Sequence[Any]]],
+        worker: Hashable,
+        now: float | None = None,
+    ) -> int:
+        """Record ``(uid, position, frames)`` events sent to ``worker`` in one message.
+
+        The fast path for small events (one clock call and one lookup per batch).
+        Returns how many were added.
+        """
+        sent_at_s = self._clock() if now is None else now
+        wdict = self._worker_dict(worker)
+        entries, append = self._entries, self._order.append
+        next_position = self._next_position
+        count = 0
+        for uid, position, frames in events:  # _insert, inlined: this is the hot loop
+            entry = LedgerEntry(uid, position, worker, sent_at_s, 1, frames)
+            if position < next_position or entries.setdefault(uid, entry) is not entry:
+                self._next_position = next_position
+                self._added += count
+                self._insert(entry, wdict)  # raises the right InternalError
+            next_position = position + 1
+            append(entry)
+            wdict[uid] = entry
+            count += 1
+        self._next_position = next_position
+        self._added += count
+        n = len(self._entries)
+        if n > self._max_unconfirmed:
+            self._max_unconfirmed = n
+        return count
+
+    def _insert(self, entry: LedgerEntry, wdict: dict[int, LedgerEntry]) -> None:
+        uid, position = entry.uid, entry.position
+        if self._entries.setdefault(uid, entry) is not entry:
+            raise InternalError(f"ledger: uid {uid} added twice (use resend() for a retry)")
+        if position < self._next_position:
+            del self._entries[uid]
+            raise InternalError(
+                f"ledger: position {position} of uid {uid} is below the next expected "
+                f"position {self._next_position} (positions must increase)"
+            )
+        self._next_position = position + 1
+        self._order.append(entry)
+        wdict[uid] = entry
+        self._added += 1
+
+    def confirm(self, uids: Iterable[int]) -> int:
+        """The output wrote and flushed ``uids``; forget them. Returns how many were ours.
+
+        A uid confirmed twice or never added is counted, not an error.
+        """
+        entries = self._entries
+        done = 0
+        now: float | None = None
+        for uid in uids:
+            entry = entries.pop(uid, None)
+            if entry is None:
+                if uid in self._recent or uid in self._recent_old:
+                    self._duplicate_confirms += 1
+                else:
+                    self._unknown_confirms += 1
+                continue
+            done += 1
+            state = entry.state
+            if state is _IN_FLIGHT:
+                wdict = self._by_worker.get(entry.worker)
+                if wdict is not None:
+                    wdict.pop(uid, None)
+                    if now is None:
+                        now = self._clock()
+                    self._progress_s[entry.worker] = now
+            elif state is _PENDING:
+                self._pending -= 1
+            elif state is _POISONED:
+                self._poisoned_pending -= 1
+            entry.state = _CONFIRMED
+            entry.frames = ()  # let the buffers go even if someone keeps the entry
+            self._recent.add(uid)
+        self._confirmed += done
+        if len(self._recent) > self.RECENT_CONFIRMS:
+            self._recent_old, self._recent = self._recent, set()
+        return done
+
+    def checkpoint_position(self) -> int:
+        """The lowest unconfirmed source position: every position below it is confirmed."""
+        order = self._order
+        while order and order[0].state is _CONFIRMED:
+            order.popleft()
+        return order[0].position if order else self._next_position
+
+    # --- failures -----------------------------------------------------------------------
+    def progress(self, worker: Hashable, now: float | None = None) -> None:
+        """A sign of life from ``worker`` (e.g. new credit): restarts its timeout."""
+        self._progress_s[worker] = self._clock() if now is None else now
+
+    def expired(self, now: float | None = None) -> list[LedgerEntry]:
+        """Entries whose worker made no progress for ``event_timeout_s`` since they were sent.
+
+        At most one per worker (its oldest event, the one it is working on); cost
+        O(workers). The caller kills ``entry.worker`` and calls ``requeue_worker``.
+        """
+        if self.event_timeout_s is None:
+            return []
+        now = self._clock() if now is None else now
+        found = []
+        for worker, wdict in self._by_worker.items():
+            if not wdict:
+                continue
+            oldest = next(iter(wdict.values()))
+            start = max(oldest.sent_at_s, self._progress_s.get(worker, oldest.sent_at_s))
+            if now - start > self.event_timeout_s:
+                found.append(oldest)
+        return found
+
+    def requeue_worker(
+        self, worker: Hashable, failure: Failure, culprit_uid: int | None = None
+    ) -> list[LedgerEntry]:
+        """``worker`` died or was killed: take back its unconfirmed events.
+
+        Returns them all, each with ``attempt + 1``; the ones charged with
+        ``max_attempts`` failures have ``state = POISONED`` (write them quarantined), the
+        others ``PENDING`` (send them again with ``resend``). See the module doc for
+        who is charged.
+        """
+        wdict = self._by_worker.pop(worker, None)
+        self._progress_s.pop(worker, None)
+        if not wdict:
+            return []
+        entries = list(wdict.values())
+        if culprit_uid is None and len(entries) == 1:
+            culprit_uid = entries[0].uid
+        for entry in entries:
+            if entry.uid == culprit_uid or (culprit_uid is None and entry.isolate):
+                # an isolated event travelled alone: the failure is exactly its own
+                self._charge(entry, failure)
+            else:
+                entry.suspicions += 1
+                entry.isolate = culprit_uid is None
+                if entry.suspicions % 2 == 0:  # the safety net: two deaths, one failure
+                    self._charge(entry, failure)
+                else:
+                    self._back_to_pending(entry)
+        return entries
+
+    def fail(self, uid: int, failure: Failure) -> LedgerEntry | None:
+        """The worker survived but the event failed (a Python exception in a module).
+
+        Returns the entry (``PENDING`` or ``POISONED``) or ``None`` if it is not ours
+        any more (already confirmed).
+        """
+        entry = self._entries.get(uid)
+        if entry is None or entry.state is not _IN_FLIGHT:
+            return None
+        wdict = self._by_worker.get(entry.worker)
+        if wdict is not None:
+            wdict.pop(uid, None)
+        self._charge(entry, failure)
+        return entry
+
+    def requeue_all(self, reason: str = "output restarted") -> list[LedgerEntry]:
+        """Every unconfirmed entry must be sent again (the output lost its results).
+
+        Nobody is charged; in-flight entries become ``PENDING`` with ``attempt + 1``;
+        poisoned entries stay poisoned (send them to the output again). Returns all
+        entries in position order.
+        """
+        entries = [e for e in self._order if e.state is not _CONFIRMED]
+        self._by_worker.clear()
+        self._progress_s.clear()
+        for entry in entries:
+            if entry.state is _IN_FLIGHT:
+                entry.reasons += (f"lost: {reason}",)
+                self._back_to_pending(entry)
+        return entries
+
+    def resend(self, uid: int, worker: Hashable) -> LedgerEntry:
+        """A ``PENDING`` entry is sent again to ``worker`` (its attempt already counted)."""
+        entry = self._entries.get(uid)
+        if entry is None or entry.state is not _PENDING:
+            state = "confirmed or unknown" if entry is None else entry.state.value
+            raise InternalError(f"ledger: resend of uid {uid}, which is {state}, not pending")
+        entry.state = _IN_FLIGHT
+        entry.worker = worker
+        entry.sent_at_s = self._clock()
+        self._pending -= 1
+        self._worker_dict(worker)[uid] = entry
+        return entry
+
+    # --- introspection ------------------------------------------------------------------
+    def get(self, uid: int) -> LedgerEntry | None:
+        return self._entries.get(uid)
+
+    def __contains__(self, uid: object) -> bool:
+        return uid in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def in_flight(self, worker: Hashable) -> int:
+        """How many unconfirmed events ``worker`` holds."""
+        wdict = self._by_worker.get(worker)
+        return len(wdict) if wdict else 0
+
+    def entries(self) -> list[LedgerEntry]:
+        """All unconfirmed entries in position order (a copy)."""
+        return [e for e in self._order if e.state is not _CONFIRMED]
+
+    def statistics(self) -> LedgerStatistics:
+        n = len(self._entries)
+        return LedgerStatistics(
+            in_flight=n - self._pending - self._poisoned_pending,
+            pending=self._pending,
+            poisoned_pending=self._poisoned_pending,
+            unconfirmed=n,
+            max_unconfirmed=self._max_unconfirmed,
+            added=self._added,
+            confirmed=self._confirmed,
+            duplicate_confirms=self._duplicate_confirms,
+            unknown_confirms=self._unknown_confirms,
+            requeued=self._requeued,
+            failures=self._failures,
+            timeouts=self._timeouts,
+            poisoned=self._poisoned,
+            checkpoint_position=self.checkpoint_position(),
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"<Ledger unconfirmed={len(self._entries)} pending={self._pending} "
+            f"poisoned={self._poisoned_pending} checkpoint={self.checkpoint_position()}>"
+        )
+
+    # --- internals ----------------------------------------------------------------------
+    def _worker_dict(self, worker: Hashable) -> dict[int, LedgerEntry]:
+        wdict = self._by_worker.get(worker)
+        if wdict is None:
+            wdict = self._by_worker[worker] = {}
+        return wdict
+
+    def _charge(self, entry: LedgerEntry, failure: Failure) -> None:
+        self._failures += 1
+        if failure.kind == "timeout":
+            self._timeouts += 1
+        entry.failures += 1
+        entry.reasons += (f"attempt {entry.attempt}: {failure}",)
+        if entry.failures >= self.max_attempts:
+            entry.state = _POISONED
+            entry.worker = None
+            self._poisoned += 1
+            self._poisoned_pending += 1
+        else:
+            entry.isolate = True  # its next failure should be its own
+            self._back_to_pending(entry)
+
+    def _back_to_pending(self, entry: LedgerEntry) -> None:
+        entry.state = _PENDING
+        entry.worker = None
+        entry.attempt += 1
+        self._pending += 1
+        self._requeued += 1

@@ -1,0 +1,338 @@
+"""The calling process of a parallel run: start the roles, watch them, stop them.
+
+The caller (the process running the steering file) keeps the split path in
+``state``, starts a zygote *before* it creates any zmq context, then forks the
+output, the input and N workers from it. It holds the ``ctl`` ROUTER every role
+reports to (HELLO, STATE ERROR, RESULT) and reacts to:
+
+- a child's exit (the zygote's notice fd wakes the poll at once): a worker that dies
+  unasked is reported to the input (WORKER_LOST: its unconfirmed batches are sent
+  again) and replaced by a fresh fork, up to ``max_restarts``; a dead input or output
+  stops the run with a clear error;
+- SIGINT/SIGTERM: the first asks the input to STOP reading (in-flight events finish
+  and are written, files close, KeyboardInterrupt / exit 143 afterwards); a second
+  kills the workers and tells the output to close its files now.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from evflow import errors
+from evflow.errors import ConfigurationError, EvflowError, ModuleError, PeerLostError
+from evflow.processing.options import ProcessOptions
+from evflow.processing.parallel import state
+from evflow.processing.parallel.common import channel
+from evflow.processing.parallel.input import input_main
+from evflow.processing.parallel.output import output_main
+from evflow.processing.parallel.persist import decode_persistent
+from evflow.processing.parallel.split import SplitPath
+from evflow.processing.parallel.worker import worker_main
+from evflow.processing.statistics import ModuleStatistics
+from evflow.processing.summary import RunSummary
+from evflow.runtime.zygote import Zygote
+from evflow.transport.paths import runtime_base_dir
+from evflow.wire.messages import BadMessageCounter, MsgType, encode_message
+
+#: after the input and output are done, workers get this long to exit on their own (s)
+WORKER_EXIT_GRACE_S = 5.0
+#: after an error or a second interrupt, roles get this long to close files (s)
+ABORT_GRACE_S = 5.0
+
+
+def describe_exit(code: int) -> str:
+    """``exit code 3`` or ``signal 9 (SIGKILL)``."""
+    if code < 0:
+        try:
+            return f"signal {-code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+class Parent:
+    """Runs one parallel path; ``run()`` returns the RunSummary or raises."""
+
+    def __init__(self, split: SplitPath, options: ProcessOptions) -> None:
+        self.split = split
+        self.options = options
+        self.n_workers = max(1, options.workers)
+        extra = options.extra or {}
+        self.max_restarts = int(extra.get("max_restarts", 2 * self.n_workers + 2))
+        self.role_options = {
+            "max_events": options.max_events,
+            "ordered": options.ordered,
+            "reorder_window": int(extra.get("reorder_window", 8192)),
+        }
+        self.session = f"par-{os.getpid()}-{secrets.token_hex(3)}"
+        self.pids: dict[int, str] = {}  # live children: pid -> role name
+        self.ids: dict[str, bytes] = {}  # role name -> ctl routing id
+        self.results: dict[str, tuple[dict[str, Any], list[Any]]] = {}
+        self.error: EvflowError | None = None
+        self.signals: list[int] = []
+        self.stop_sent = False
+        self.hard = False
+        self.aborting_at = 0.0
+        self.restarts = 0
+        self.lost: list[str] = []
+        self.generation: dict[int, int] = {}
+        self.done_at = 0.0
+        self.bad = BadMessageCounter("parallel parent")
+
+    # --- life cycle ---------------------------------------------------------------------
+    def run(self) -> RunSummary:
+        state.set_current(self.split)
+        restore = self._install_signals()
+        zygote = Zygote().start()  # before any zmq context in this process
+        ctx: zmq.Context[Any] | None = None
+        ctl = None
+        start = time.monotonic()
+        try:
+            ctx = zmq.Context()
+            ctl = channel(ctx, self.session, "ctl", "router", "bind")
+            self.zygote, self.ctl = zygote, ctl.socket
+            self.pids[zygote.spawn(output_main, self.session, self.role_options, name="output")] = (
+                "output"
+            )
+            self.pids[zygote.spawn(input_main, self.session, self.role_options, name="input")] = (
+                "input"
+            )
+            for i in range(self.n_workers):
+                self._spawn_worker(i)
+            self._loop()
+            wall_s = time.monotonic() - start
+        finally:
+            zygote.stop(grace_s=0.5)
+            if ctl is not None:
+                ctl.close(linger_ms=0)
+            if ctx is not None:
+                ctx.term()
+            shutil.rmtree(runtime_base_dir() / self.session, ignore_errors=True)
+            state.set_current(None)
+            restore()
+        if self.error is not None:
+            raise self.error
+        summary = self._summary(wall_s)
+        if self.signals:
+            if not self.options.quiet:
+                summary.render(sys.stderr)
+            if self.signals[0] == signal.SIGTERM:
+                raise SystemExit(143)
+            raise KeyboardInterrupt
+        return summary
+
+    def _install_signals(self) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        for s in old:
+            signal.signal(s, self._on_signal)
+
+        def restore() -> None:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+
+        return restore
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.signals.append(signum)
+
+    def _spawn_worker(self, index: int) -> None:
+        gen = self.generation.get(index, 0)
+        self.generation[index] = gen + 1
+        name = f"worker-{index}" if gen == 0 else f"worker-{index}.{gen}"
+        buffer = self.options.event_buffer
+        pid = self.zygote.spawn(worker_main, self.session, name, buffer, name=name)
+        self.pids[pid] = name
+
+    # --- the watch loop -----------------------------------------------------------------
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.ctl, zmq.POLLIN)
+        poller.register(self.zygote.fileno(), zmq.POLLIN)
+        while self.pids:
+            poller.poll(100)
+            self._drain_ctl()
+            for pid, code in self.zygote.exits():
+                self._exited(pid, code)
+            self._handle_signals()
+            now = time.monotonic()
+            roles_done = "input" not in self.pids.values() and "output" not in self.pids.values()
+            if roles_done and not self.done_at:
+                self.done_at = now
+            stuck = self.done_at and now - self.done_at > WORKER_EXIT_GRACE_S
+            late = self.aborting_at and now - self.aborting_at > ABORT_GRACE_S
+            if stuck or late:
+                for pid in list(self.pids):
+                    with contextlib.suppress(EvflowError):
+                        self.zygote.kill(pid, signal.SIGKILL)
+                self.aborting_at = self.done_at = now  # and wait for the exits
+
+    def _drain_ctl(self) -> None:
+        while True:
+            try:
+                frames = self.ctl.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg = self.bad.decode(frames[1:])
+            if msg is None:
+                continue
+            name = str(msg.header.get("name", ""))
+            if msg.type == MsgType.HELLO:
+                self.ids[name] = frames[0]
+                if name == "input" and self.signals and not self.hard:
+                    self._send("input", MsgType.STOP)
+                    self.stop_sent = True
+            elif msg.type == MsgType.RESULT:
+                self.results[name] = (msg.header, list(msg.payload))
+            elif msg.type == MsgType.STATE and msg.header.get("state") == "ERROR":
+                self._fail(_rebuild_error(msg.header))
+
+    def _send(self, role: str, kind: MsgType, header: dict[str, Any] | None = None) -> None:
+        ident = self.ids.get(role)
+        if ident is not None:
+            self.ctl.send_multipart([ident, *encode_message(kind, header)])
+
+    def _exited(self, pid: int, code: int) -> None:
+        name = self.pids.pop(pid, None)
+        if name is None or code == 0 or self.aborting_at:
+            return
+        if not name.startswith("worker"):
+            if name in self.results and "aborted" not in self.results[name][0]:
+                return
+            self._fail(
+                PeerLostError(
+                    f"the {name} process (pid {pid}) died with {describe_exit(code)}; "
+                    "the run is stopped (files written so far are closed)"
+                )
+            )
+            return
+        if self.hard or self.error is not None:
+            return
+        self.lost.append(name)
+        if self.restarts >= self.max_restarts:
+            self._fail(
+                PeerLostError(
+                    f"{name} (pid {pid}) died with {describe_exit(code)}; {self.restarts} "
+                    f"workers were already replaced (limit max_restarts={self.max_restarts}); "
+                    "the run is stopped"
+                )
+            )
+            return
+        self.restarts += 1
+        self._send("input", MsgType.WORKER_LOST, {"name": name, "pid": pid, "code": code})
+        self._spawn_worker(int(name.split("-")[1].split(".")[0]))
+
+    def _fail(self, error: EvflowError) -> None:
+        """Stop everything: the first error is the one the caller sees."""
+        if self.error is None:
+            self.error = error
+        self._abort()
+
+    def _abort(self) -> None:
+        if self.aborting_at:
+            return
+        self.aborting_at = time.monotonic()
+        for pid, name in list(self.pids.items()):
+            if name.startswith("worker"):
+                with contextlib.suppress(EvflowError):
+                    self.zygote.kill(pid, signal.SIGKILL)
+        self._send("output", MsgType.KILL)
+        self._send("input", MsgType.KILL)
+
+    def _handle_signals(self) -> None:
+        if not self.signals:
+            return
+        if not self.stop_sent:
+            self.stop_sent = True
+            self._send("input", MsgType.STOP)
+        if len(self.signals) >= 2 and not self.hard:
+            self.hard = True
+            self._abort()
+
+    # --- the summary ----------------------------------------------------------------------
+    def _summary(self, wall_s: float) -> RunSummary:
+        inp = self.results.get("input", ({}, []))[0]
+        out_header, out_payload = self.results.get("output", ({}, []))
+        rows: list[ModuleStatistics] = []
+        for role in sorted(self.results, key=_role_order):
+            for d in self.results[role][0].get("stats", []):
+                rows.append(ModuleStatistics.from_dict(d))
+        persistent: dict[str, Any] = {}
+        if out_payload:
+            persistent = decode_persistent(out_payload[0], out_payload[1:])
+        counters: dict[str, int | float] = {
+            "duplicates dropped": int(out_header.get("duplicates", 0)),
+            "workers lost": len(self.lost),
+            "workers restarted": self.restarts,
+        }
+        skipped = sorted(set(out_header.get("skipped", [])))
+        if skipped:
+            counters["persistent objects not merged"] = len(skipped)
+        bad = int(inp.get("bad", 0)) + int(out_header.get("bad", 0)) + self.bad.total
+        if bad:
+            counters["malformed messages"] = bad
+        return RunSummary(
+            events_read=int(inp.get("read", 0)),
+            events_written=int(out_header.get("written", 0)),
+            events_dropped=int(inp.get("dropped", 0)) + int(out_header.get("dropped", 0)),
+            wall_s=wall_s,
+            workers=self.n_workers,
+            modules=tuple(rows),
+            persistent=persistent,
+            counters=counters,
+            outputs=tuple(_outputs(self.split)),
+            interrupted=bool(self.signals),
+        )
+
+
+def _role_order(name: str) -> tuple[int, str]:
+    if name == "input":
+        return (0, "")
+    if name == "output":
+        return (2, "")
+    return (1, f"{name:>20}")
+
+
+def _outputs(split: SplitPath) -> list[str]:
+    from evflow.processing.chain import is_writer
+
+    files = []
+    for module in split.output:
+        if is_writer(module):
+            value = module.params.get("file") or getattr(module, "file", None)
+            if value:
+                files.append(str(value))
+    return files
+
+
+def _rebuild_error(header: dict[str, Any]) -> EvflowError:
+    """The error a role reported, as one clear exception naming module and process."""
+    where = str(header.get("name", "?"))
+    if "module" in header:
+        cause_type = type(str(header.get("cause", "Exception")), (Exception,), {})
+        exc = ModuleError(
+            str(header["module"]),
+            str(header.get("hook", "?")),
+            header.get("uid"),
+            cause_type(str(header.get("cause_text", ""))),
+            str(header.get("traceback", "")),
+        )
+        exc.args = (f"{exc} (in the {where} process)",)
+        return exc
+    text = str(header.get("error", "unknown error"))
+    kind = getattr(errors, str(header.get("kind", "")), None)
+    if isinstance(kind, type) and issubclass(kind, EvflowError) and kind is not ModuleError:
+        with contextlib.suppress(Exception):
+            return kind(f"{text} (in the {where} process)")
+    return ConfigurationError(f"{text} (in the {where} process)")

@@ -1,0 +1,265 @@
+"""The output role: collect results, run the output path, flush, confirm, merge.
+
+Sockets: PULL ``results`` (worker PUSHes: EVENTS batches and each worker's final
+RESULT), DEALER ``back`` to the input (HELLO, CONFIRM, GOODBYE out; END in) and a
+DEALER to the parent's ``ctl`` (HELLO, RESULT, STATE out; KILL in).
+
+Every uid's fate is known here: written, dropped by a module, or a duplicate (a uid
+already seen: a late result after a re-send), which is counted and skipped. A batch
+is CONFIRMed to the input only after its events went through the output path and
+every writer's ``flush()`` returned; confirms are batched by count and by time.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import zmq
+
+from evflow.errors import EvflowError
+from evflow.processing.chain import ModuleChain
+from evflow.processing.parallel.batching import from_u64, unpack_batch
+from evflow.processing.parallel.common import channel, current_split, error_message, run_of
+from evflow.processing.parallel.persist import decode_persistent, encode_persistent, merge_into
+from evflow.wire.codec import decode_event
+from evflow.wire.messages import BadMessageCounter, MsgType, encode_message
+
+#: confirm after this many events or this much time, whichever comes first
+CONFIRM_EVENTS = 4096
+CONFIRM_INTERVAL_S = 0.02
+#: how long to wait for the final RESULT of workers that said GOODBYE
+RESULT_WAIT_S = 10.0
+EXIT_ERROR = 3
+
+
+def output_main(session: str, options: dict[str, Any]) -> int:
+    """Entry point in the forked output process; returns the exit code."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent relays interrupts
+    ctx = zmq.Context()
+    channels: list[Any] = []
+    role: _Output | None = None
+    try:
+        role = _Output(ctx, session, options, channels)
+        signal.signal(signal.SIGTERM, role.on_term)
+        return role.run()
+    except EvflowError as exc:
+        if role is not None:
+            role.chain.abort()  # writers closed: what was written stays readable
+        ctl = channels[0].socket
+        ctl.send_multipart(error_message("output", exc))
+        ctl.linger = 2000
+        return EXIT_ERROR
+    finally:
+        for ch in channels:
+            ch.close(linger_ms=ch.socket.linger)
+        ctx.term()
+
+
+class _Output:
+    def __init__(
+        self, ctx: zmq.Context[Any], session: str, options: dict[str, Any], channels: list[Any]
+    ) -> None:
+        channels.append(channel(ctx, session, "ctl", "dealer", "connect"))
+        self.ctl = channels[0].socket
+        self.hello = {"role": "output", "name": "output", "pid": os.getpid()}
+        self.ctl.send_multipart(encode_message(MsgType.HELLO, self.hello))
+        channels.append(channel(ctx, session, "results", "pull", "bind"))
+        channels.append(channel(ctx, session, "back", "dealer", "connect"))
+        self.pull = channels[1].socket
+        self.back = channels[2].socket
+        self.ordered = bool(options.get("ordered"))
+        self.chain = ModuleChain(current_split().output, process="output")
+        self.writers = self.chain.writers()
+        self.seen: set[int] = set()
+        self.pending: list[int] = []  # batch ids written, not yet flushed and confirmed
+        self.pending_n = 0
+        self.pending_since = 0.0
+        # --ordered: seq -> (frames or None, batch id); batch id -> events still buffered
+        self.reorder: dict[int, tuple[Any, int]] = {}
+        self.bid_left: dict[int, int] = {}
+        self.next_seq = 0
+        self.written = 0
+        self.dropped = 0
+        self.duplicates = 0
+        self.results: dict[str, list[Any]] = {}
+        self.end: dict[str, Any] | None = None
+        self.end_payload: list[Any] = []
+        self.end_at = 0.0
+        self.abort = False
+        self.bad = BadMessageCounter("output")
+
+    def on_term(self, signum: int, frame: Any) -> None:
+        self.abort = True
+
+    # --- main loop ----------------------------------------------------------------------
+    def run(self) -> int:
+        self.chain.initialize()
+        self.back.send_multipart(encode_message(MsgType.HELLO, self.hello))
+        poller = zmq.Poller()
+        for s in (self.pull, self.back, self.ctl):
+            poller.register(s, zmq.POLLIN)
+        while True:
+            for sock, _ in poller.poll(10 if self.pending else 50):
+                self._drain(sock)
+            if self.abort:
+                self.chain.abort()  # terminate the writers: files closed, readable
+                self._report(aborted=True)
+                return 0
+            if self.pending and (
+                self.pending_n >= CONFIRM_EVENTS
+                or time.monotonic() - self.pending_since >= CONFIRM_INTERVAL_S
+            ):
+                self._confirm()
+            if self.end is not None and self._results_complete():
+                self._finish()
+                return 0
+
+    def _drain(self, sock: zmq.Socket[Any]) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            msg = self.bad.decode(frames)
+            if msg is None:
+                continue
+            try:
+                if msg.type == MsgType.EVENTS:
+                    self._on_events(msg.header, [f.buffer for f in msg.payload])
+                elif msg.type == MsgType.RESULT:
+                    name = str(msg.header["w"])
+                    self.results[name] = [f.buffer for f in msg.payload]
+                elif msg.type == MsgType.END:
+                    self.end = msg.header
+                    self.end_payload = [f.buffer for f in msg.payload]
+                    self.end_at = time.monotonic()
+                elif msg.type == MsgType.KILL:
+                    self.abort = True
+            except (KeyError, TypeError, ValueError, IndexError) as exc:
+                self.bad.record("bad-header", f"{type(exc).__name__}: {exc}")
+
+    def _on_events(self, header: dict[str, Any], payload: list[Any]) -> None:
+        bid = int(header["b"])
+        kept = header["k"]
+        events = unpack_batch(header, payload)
+        uids = from_u64(header["u"]).tolist()
+        seqs = from_u64(header["s"]).tolist() if self.ordered else None
+        seen = self.seen
+        j = 0
+        buffered = 0
+        for i, uid in enumerate(uids):
+            frames = None
+            if kept[i]:
+                frames = events[j]
+                j += 1
+            if uid in seen:
+                self.duplicates += 1
+                continue
+            seen.add(uid)
+            if seqs is not None:
+                self.reorder[seqs[i]] = (frames, bid)
+                buffered += 1
+            elif frames is None:
+                self.dropped += 1
+            else:
+                self._write(frames)
+        if seqs is None or not buffered:
+            self._written(bid, len(uids))
+        else:
+            self.bid_left[bid] = buffered
+            self._emit_in_order()
+
+    def _write(self, frames: Any) -> None:
+        store = decode_event(frames)
+        meta, current = store.meta, self.chain.run
+        if current is None or current.run != meta.run or current.experiment != meta.experiment:
+            self.chain.switch_run(meta.experiment, meta.run)
+        if self.chain.event(store):
+            self.written += 1
+        else:
+            self.dropped += 1
+
+    def _emit_in_order(self) -> None:
+        reorder, left = self.reorder, self.bid_left
+        while self.next_seq in reorder:
+            frames, bid = reorder.pop(self.next_seq)
+            self.next_seq += 1
+            if frames is None:
+                self.dropped += 1
+            else:
+                self._write(frames)
+            left[bid] -= 1
+            if not left[bid]:
+                del left[bid]
+                self._written(bid, 1)
+
+    def _written(self, bid: int, n: int) -> None:
+        if not self.pending:
+            self.pending_since = time.monotonic()
+        self.pending.append(bid)
+        self.pending_n += n
+
+    def _confirm(self) -> None:
+        for w in self.writers:
+            w.flush()
+        self.back.send_multipart(encode_message(MsgType.CONFIRM, {"b": self.pending}))
+        self.pending = []
+        self.pending_n = 0
+
+    # --- the end ------------------------------------------------------------------------
+    def _results_complete(self) -> bool:
+        assert self.end is not None
+        expected = self.end["workers"]
+        if all(name in self.results for name in expected):
+            return True
+        return time.monotonic() - self.end_at > RESULT_WAIT_S
+
+    def _finish(self) -> None:
+        assert self.end is not None
+        if self.pending:
+            self._confirm()
+        merged: dict[str, Any] = {}
+        if self.end_payload:
+            merge_into(merged, decode_persistent(self.end_payload[0], self.end_payload[1:]), "input")
+        missing = []
+        for name in self.end["workers"]:
+            if name not in self.results:
+                missing.append(name)
+                continue
+            payload = self.results[name]
+            merge_into(merged, decode_persistent(payload[0], payload[1:]), f"worker {name}")
+        merge_into(self.chain.persistent, merged, "workers")
+        if self.chain.run is None and self.end.get("run"):
+            run = run_of(self.end["run"])
+            assert run is not None
+            self.chain.switch_run(run.experiment, run.run)
+        # the output path's end_run and terminate see the merged objects
+        self.chain.end_run()
+        for w in self.writers:
+            w.flush()
+        self.chain.terminate()
+        self._report(aborted=False, missing=missing)
+        self.back.send_multipart(encode_message(MsgType.GOODBYE, {"written": self.written}))
+        self.back.linger = 2000
+        self.ctl.linger = 2000
+
+    def _report(self, aborted: bool, missing: list[str] | None = None) -> None:
+        head, frames, skipped = encode_persistent(self.chain.persistent)
+        header = {
+            "role": "output",
+            "name": "output",
+            "stats": [s.as_dict() for s in self.chain.statistics()],
+            "written": self.written,
+            "dropped": self.dropped,
+            "duplicates": self.duplicates,
+            "aborted": aborted,
+            "missing_results": missing or [],
+            "skipped": skipped,
+            "bad": self.bad.total,
+            "input": self.end or {},
+        }
+        self.ctl.send_multipart(encode_message(MsgType.RESULT, header, [head, *frames]))
+        self.ctl.linger = 2000

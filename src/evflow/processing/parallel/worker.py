@@ -1,0 +1,149 @@
+"""The worker role: receive batches from the input, run the worker path, push results.
+
+Protocol (DEALER to the input's ROUTER ``events``): HELLO {protocol, pid, name}, then
+READY {credit}. For every EVENTS batch: one results message to the output (PUSH
+``results``) and one READY {credit: events done, t: seconds per event} back to the
+input, which returns the credit and is the speed measurement the batch size adapts
+to. On END the worker ends the run, pushes its RESULT (persistent objects, module
+statistics) to the output, reports to the parent and says GOODBYE to the input.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import zmq
+
+from evflow.errors import EvflowError
+from evflow.processing.chain import ModuleChain
+from evflow.processing.parallel.batching import pack_batch, unpack_batch
+from evflow.processing.parallel.common import channel, current_split, error_message, run_of
+from evflow.processing.parallel.persist import encode_persistent
+from evflow.wire.codec import decode_event, encode_event
+from evflow.wire.messages import BadMessageCounter, MsgType, encode_message, hello_header
+
+#: exit code of a worker whose path failed (the parent shows the error it sent)
+EXIT_ERROR = 3
+
+
+def worker_main(session: str, name: str, event_buffer: int) -> int:
+    """Entry point in a forked worker process; returns the exit code."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent drives the shutdown
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # "stop at once" means exactly that
+    ctx = zmq.Context()
+    ctl = channel(ctx, session, "ctl", "dealer", "connect")
+    channels = [ctl]
+    try:
+        ctl.socket.send_multipart(
+            encode_message(MsgType.HELLO, {"role": "worker", "name": name, "pid": os.getpid()})
+        )
+        worker = _Worker(ctx, session, name, event_buffer, ctl.socket, channels)
+        return worker.run()
+    except EvflowError as exc:
+        ctl.socket.send_multipart(error_message(name, exc))
+        ctl.socket.linger = 2000
+        return EXIT_ERROR
+    finally:
+        for ch in channels:
+            ch.close(linger_ms=ch.socket.linger)
+        ctx.term()
+
+
+class _Worker:
+    def __init__(
+        self,
+        ctx: zmq.Context[Any],
+        session: str,
+        name: str,
+        event_buffer: int,
+        ctl: zmq.Socket[Any],
+        channels: list[Any],
+    ) -> None:
+        self.name = name
+        self.chain = ModuleChain(current_split().worker, process=name)
+        self.chain.initialize()
+        dealer = channel(ctx, session, "events", "dealer", "connect")
+        push = channel(ctx, session, "results", "push", "connect")
+        channels += [dealer, push]
+        self.dealer = dealer.socket
+        self.push = push.socket
+        self.ctl = ctl
+        self.event_buffer = event_buffer
+        self.events_in = 0
+        self.events_kept = 0
+        self.bad = BadMessageCounter(f"worker {name}")
+
+    def run(self) -> int:
+        hello = hello_header(pid=os.getpid(), name=self.name)
+        self.dealer.send_multipart(encode_message(MsgType.HELLO, hello))
+        self.dealer.send_multipart(encode_message(MsgType.READY, {"credit": self.event_buffer}))
+        while True:
+            msg = self.bad.decode(self.dealer.recv_multipart(copy=False))
+            if msg is None:
+                continue  # counted and dropped: bad bytes never crash a worker
+            if msg.type == MsgType.EVENTS:
+                try:
+                    self._process(msg.header, msg.payload)
+                except (KeyError, TypeError, ValueError) as exc:
+                    self.bad.record("bad-batch", str(exc))
+            elif msg.type == MsgType.END:
+                self._finish(msg.header.get("run"))
+                return 0
+
+    def _process(self, header: dict[str, Any], payload: Any) -> None:
+        events = unpack_batch(header, [f.buffer for f in payload])
+        attempt = header["a"]
+        kept_mask = bytearray(len(events))
+        kept: list[Any] = []
+        chain = self.chain
+        current = chain.run
+        t0 = time.perf_counter()
+        for i, frames in enumerate(events):
+            store = decode_event(frames)
+            meta = store.meta
+            meta.attempt = attempt
+            if current is None or current.run != meta.run or current.experiment != meta.experiment:
+                chain.switch_run(meta.experiment, meta.run)
+                current = chain.run
+            if chain.event(store):
+                kept_mask[i] = 1
+                kept.append(encode_event(store))
+        per_event_s = (time.perf_counter() - t0) / max(len(events), 1)
+        out = {"b": header["b"], "a": attempt, "u": header["u"], "s": header["s"]}
+        out["k"] = bytes(kept_mask)
+        out["w"] = self.name
+        body = pack_batch(kept, out, packed=header["p"])
+        self.push.send_multipart(encode_message(MsgType.EVENTS, out, body), copy=False)
+        self.dealer.send_multipart(
+            encode_message(MsgType.READY, {"credit": len(events), "t": per_event_s})
+        )
+        self.events_in += len(events)
+        self.events_kept += len(kept)
+
+    def _finish(self, last_run: Any) -> None:
+        chain = self.chain
+        if chain.run is None and last_run:
+            run = run_of(last_run)
+            assert run is not None
+            chain.switch_run(run.experiment, run.run)  # a worker without events books too
+        chain.end_run()
+        chain.terminate()
+        head, frames, skipped = encode_persistent(chain.persistent)
+        stats = [s.as_dict() for s in chain.statistics()]
+        result = {"w": self.name, "skipped": skipped, "bad": self.bad.total}
+        self.push.send_multipart(encode_message(MsgType.RESULT, result, [head, *frames]))
+        self.ctl.send_multipart(
+            encode_message(
+                MsgType.RESULT,
+                {"role": "worker", "name": self.name, "stats": stats, "in": self.events_in},
+            )
+        )
+        self.dealer.send_multipart(
+            encode_message(MsgType.GOODBYE, {"in": self.events_in, "kept": self.events_kept})
+        )
+        # RESULT and GOODBYE must leave before the sockets close
+        for sock in (self.push, self.dealer, self.ctl):
+            sock.linger = 5000

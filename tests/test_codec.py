@@ -6,6 +6,7 @@ import contextlib
 import math
 import pickle
 import random
+import struct
 import time
 from typing import Any
 
@@ -61,9 +62,9 @@ metas = st.builds(
     uid=st.integers(0, U64),
     experiment=st.integers(-I64, I64 - 1),
     run=st.integers(-I64, I64 - 1),
-    event=st.integers(0, U64),
-    flags=st.integers(0, 255),
-    attempt=st.integers(1, 100),
+    event=st.integers(-I64, I64 - 1),
+    flags=st.integers(0, U64),
+    attempt=st.integers(-I64, I64 - 1),
 )
 leaves = st.one_of(
     st.none(),
@@ -250,12 +251,20 @@ def test_unencodable_objects_raise_codec_error_naming_the_problem(obj: Any, matc
         encode_event(DataStore(EventMeta(1), {"bad": obj}))
 
 
+@pytest.mark.parametrize(
+    "meta", [EventMeta(2**64), EventMeta(-1), EventMeta(1, run=2**63), EventMeta(1, flags=-1)]
+)
+def test_meta_out_of_range_raises_codec_error(meta: EventMeta) -> None:
+    with pytest.raises(CodecError, match=r"cannot encode event meta.*unsigned 64-bit"):
+        encode_event(DataStore(meta))
+
+
 # --- hostile frames --------------------------------------------------------------------
 def header(*fields: Any) -> bytes:
     return msgpack.packb(list(fields))
 
 
-META = [1, 0, 0, 0, 0, 1]
+META = struct.pack("<QqqqQq", 1, 0, 0, 0, 0, 1)
 FLOAT_FORM = '{"class": "NumpyArray", "primitive": "float64", "form_key": "n"}'
 
 
@@ -279,7 +288,7 @@ def ext(code: int, *fields: Any) -> msgpack.ExtType:
         ([header(1, 1, [], [])], "batch of events; use decode_batch"),
         ([header(1, 7, META, [])], "bad event header: kind 7"),
         ([header(1, 0, [1, 2], [])], "bad event meta"),
-        ([header(1, 0, [-1, 0, 0, 0, 0, 1], [])], "bad event uid -1"),
+        ([header(1, 0, META[:-1], [])], "expected 48 bytes"),
         ([header(1, 0, [1, 0, 0, 0, 0, 1.5], [])], "bad event meta"),
         ([header(1, 0, META, {})], "entries are not a list"),
         ([header(1, 0, META, [[1, 0, 2]])], "bad object entry"),
@@ -378,10 +387,14 @@ def test_malformed_packed_frames_raise_codec_error(buf: Any, match: str) -> None
 
 def test_peek_meta_and_with_meta_refuse_batches() -> None:
     frames = encode_batch([DataStore(EventMeta(1))])
-    with pytest.raises(CodecError, match="peek_metas for batches"):
+    with pytest.raises(CodecError, match=r"use peek_metas for batches.*these are a batch"):
         peek_meta(frames)
-    with pytest.raises(CodecError, match="single event"):
+    with pytest.raises(CodecError, match="with_meta needs a single event's frames"):
         with_meta(frames, EventMeta(2))
+    with pytest.raises(CodecError, match="unknown codec format version 3"):
+        peek_meta([header(3, 0, META, [])])
+    with pytest.raises(CodecError, match="bad event meta"):
+        peek_meta([header(1, 0, [-5, 0, 0, 0, 0, 1], [])])
 
 
 # --- fuzzing ---------------------------------------------------------------------------

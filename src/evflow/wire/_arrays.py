@@ -95,7 +95,10 @@ def check_shape(shape: object) -> tuple[int, int]:
 
 def array_from_buffer(dt: np.dtype[Any], shape: object, buf: Any) -> np.ndarray:
     """A (possibly read-only) array viewing ``buf``; the size must match exactly."""
-    count, ndim = check_shape(shape)
+    if type(shape) is list and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0:
+        count, ndim = shape[0], 1  # the common case, checked inline
+    else:
+        count, ndim = check_shape(shape)
     itemsize = dt.itemsize
     nbytes = len(buf) if type(buf) is bytes else memoryview(buf).nbytes
     if itemsize == 0:

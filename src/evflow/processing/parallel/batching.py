@@ -38,9 +38,7 @@ def frames_nbytes(frames: Sequence[Any]) -> int:
     return sum(len(f) if isinstance(f, bytes) else memoryview(f).nbytes for f in frames)
 
 
-def pack_batch(
-    encoded: Sequence[Sequence[Any]], header: dict[str, Any], packed: bool
-) -> list[Any]:
+def pack_batch(encoded: Sequence[Sequence[Any]], header: dict[str, Any], packed: bool) -> list[Any]:
     """Fill ``header`` (``n``, ``p``, ``l``) and return the payload frames of a batch."""
     counts = [len(fr) for fr in encoded]
     header["n"] = np.array(counts, dtype=np.uint16).tobytes()

@@ -22,9 +22,7 @@ from evflow.transport.channel import Channel, ChannelConfig, open_channel
 from evflow.wire.messages import MsgType, encode_message
 
 
-def channel(
-    ctx: zmq.Context[Any], session: str, name: str, kind: str, method: str
-) -> Channel:
+def channel(ctx: zmq.Context[Any], session: str, name: str, kind: str, method: str) -> Channel:
     """Open the run's channel ``name`` (an ipc file in the session directory).
 
     High-water marks are unlimited: credits bound what is in flight, and a ROUTER

@@ -73,7 +73,10 @@ class Parent:
             "max_events": options.max_events,
             "ordered": options.ordered,
             "reorder_window": int(extra.get("reorder_window", 8192)),
+            "max_attempts": options.max_attempts,
+            "event_timeout_s": options.event_timeout_s,
         }
+        self.timed_out: set[int] = set()  # worker pids killed for a timeout
         self.session = f"par-{os.getpid()}-{secrets.token_hex(3)}"
         self.pids: dict[int, str] = {}  # live children: pid -> role name
         self.ids: dict[str, bytes] = {}  # role name -> ctl routing id
@@ -197,11 +200,21 @@ class Parent:
                 self.results[name] = (msg.header, list(msg.payload))
             elif msg.type == MsgType.STATE and msg.header.get("state") == "ERROR":
                 self._fail(_rebuild_error(msg.header))
+            elif msg.type == MsgType.STATE and msg.header.get("state") == "TIMEOUT":
+                self._kill_worker(str(msg.header.get("worker")))
 
     def _send(self, role: str, kind: MsgType, header: dict[str, Any] | None = None) -> None:
         ident = self.ids.get(role)
         if ident is not None:
             self.ctl.send_multipart([ident, *encode_message(kind, header)])
+
+    def _kill_worker(self, name: str) -> None:
+        """The input saw no progress from ``name`` for event_timeout_s: kill it."""
+        for pid, role in self.pids.items():
+            if role == name:
+                self.timed_out.add(pid)
+                with contextlib.suppress(EvflowError):
+                    self.zygote.kill(pid, signal.SIGKILL)
 
     def _exited(self, pid: int, code: int) -> None:
         name = self.pids.pop(pid, None)
@@ -230,7 +243,10 @@ class Parent:
             )
             return
         self.restarts += 1
-        self._send("input", MsgType.WORKER_LOST, {"name": name, "pid": pid, "code": code})
+        lost = {"name": name, "pid": pid, "code": code}
+        if pid in self.timed_out:
+            lost["reason"] = "timeout"
+        self._send("input", MsgType.WORKER_LOST, lost)
         self._spawn_worker(int(name.split("-")[1].split(".")[0]))
 
     def _fail(self, error: EvflowError) -> None:
@@ -273,6 +289,7 @@ class Parent:
             persistent = decode_persistent(out_payload[0], out_payload[1:])
         counters: dict[str, int | float] = {
             "duplicates dropped": int(out_header.get("duplicates", 0)),
+            "timeouts": len(self.timed_out),
             "workers lost": len(self.lost),
             "workers restarted": self.restarts,
         }
@@ -286,6 +303,7 @@ class Parent:
             events_read=int(inp.get("read", 0)),
             events_written=int(out_header.get("written", 0)),
             events_dropped=int(inp.get("dropped", 0)) + int(out_header.get("dropped", 0)),
+            events_quarantined=int(out_header.get("quarantined", 0)),
             wall_s=wall_s,
             workers=self.n_workers,
             modules=tuple(rows),

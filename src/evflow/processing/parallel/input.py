@@ -5,11 +5,15 @@ out), ROUTER ``back`` (the output's DEALER: HELLO, CONFIRM, DONE in; END out) an
 DEALER to the parent's ``ctl`` (STOP, WORKER_LOST, KILL in; HELLO, RESULT, STATE
 out).
 
-Every batch sent stays in the in-flight table (keyed by batch id, holding the
-encoded frames by reference) until the output CONFIRMs it written and flushed; a
-WORKER_LOST from the parent puts that worker's unconfirmed batches back in the
-queue with ``attempt + 1``. END goes to the workers only when nothing is in flight,
-then to the output with the counts; the input exits after the output's DONE.
+Every event sent is added to the ``Ledger`` (uid, source position, worker, the
+encoded frames by reference) and stays there until the output CONFIRMs its uid
+written and flushed. A WORKER_LOST from the parent hands that worker's unconfirmed
+events back (``Ledger.requeue_worker``): pending ones are sent again, alone when the
+ledger asks for isolation; poisoned ones go to the output raw, to be written
+quarantined. With ``event_timeout_s`` the input asks the parent to kill a worker that
+made no progress (STATE TIMEOUT). END goes to the workers only when the ledger is
+empty, then to the output with the counts; the input exits after the output's
+GOODBYE.
 """
 
 from __future__ import annotations
@@ -25,8 +29,15 @@ import zmq
 from evflow.errors import EvflowError, ModuleError, ProtocolError
 from evflow.processing.chain import ModuleChain, user_traceback
 from evflow.processing.datastore import DataStore
-from evflow.processing.parallel.batching import BatchSizer, frames_nbytes, pack_batch, u64
+from evflow.processing.parallel.batching import (
+    BatchSizer,
+    frames_nbytes,
+    from_u64,
+    pack_batch,
+    u64,
+)
 from evflow.processing.parallel.common import channel, current_split, error_message
+from evflow.processing.parallel.ledger import Failure, Ledger, LedgerEntry
 from evflow.processing.parallel.persist import encode_persistent
 from evflow.wire.codec import encode_event
 from evflow.wire.messages import (
@@ -41,18 +52,19 @@ EXIT_ERROR = 3
 
 
 class Batch:
-    """One batch in flight: its events' encoded frames (by reference), uids and seqs."""
+    """Events about to be sent in one EVENTS message."""
 
-    __slots__ = ("attempt", "enc", "n", "packed", "seq0", "seqs", "uids", "worker")
+    __slots__ = ("attempt", "enc", "n", "packed", "positions", "seqs", "uids")
 
-    def __init__(self, enc: list[Any], uids: bytes, seqs: bytes, seq0: int, packed: bool):
+    def __init__(
+        self, enc: list[Any], uids: list[int], positions: list[int], seqs: bytes, packed: bool
+    ) -> None:
         self.enc = enc
         self.uids = uids
+        self.positions = positions
         self.seqs = seqs
-        self.seq0 = seq0
         self.n = len(enc)
         self.packed = packed
-        self.worker = ""  # name of the worker it was last sent to
         self.attempt = 1
 
 
@@ -107,8 +119,15 @@ class _Input:
         self.sizer = BatchSizer()
         self.workers: dict[bytes, _Slot] = {}
         self.goodbye: list[str] = []
-        self.inflight: dict[int, Batch] = {}
-        self.resend: collections.deque[Batch] = collections.deque()
+        self.ledger = Ledger(
+            max_attempts=int(options.get("max_attempts") or 3),
+            event_timeout_s=options.get("event_timeout_s"),
+        )
+        self.resend: collections.deque[LedgerEntry] = collections.deque()
+        self.seq_of: dict[int, int] = {}  # --ordered only: uid -> input sequence number
+        self.timeouts_asked: set[Any] = set()
+        self.next_check_s = 0.0
+        self.quarantined = 0
         self.next_bid = 0
         self.next_seq = 0
         self.read = 0
@@ -147,6 +166,8 @@ class _Input:
                     return 1
                 if busy:
                     self._feed()
+                if self.ledger.event_timeout_s is not None:
+                    self._check_timeouts()
                 self._maybe_end()
         finally:
             close = getattr(self.it, "close", None)
@@ -162,6 +183,8 @@ class _Input:
             "sent": self.next_seq,
             "bad": self.bad.total,
             "batches": self.next_bid,
+            "quarantined": self.quarantined,
+            "ledger": self.ledger.statistics().__repr__(),
         }
         self.ctl.send_multipart(encode_message(MsgType.RESULT, result))
         self.ctl.linger = 2000
@@ -191,6 +214,8 @@ class _Input:
             if "t" in msg.header:
                 slot.inflight -= done
                 self.sizer.observe_work(float(msg.header["t"]))
+                if self.ledger.event_timeout_s is not None:
+                    self.ledger.progress(slot.name)
             else:
                 slot.buffer = max(done, 1)
         elif msg.type == MsgType.HELLO:
@@ -205,9 +230,7 @@ class _Input:
     def _on_output(self, frames: list[bytes]) -> None:
         msg = decode_message(frames[1:])
         if msg.type == MsgType.CONFIRM:
-            pop = self.inflight.pop
-            for bid in msg.header["b"]:
-                pop(bid, None)
+            self.ledger.confirm(from_u64(msg.payload[0]).tolist())
         elif msg.type == MsgType.HELLO:
             self.output_id = frames[0]
         elif msg.type == MsgType.GOODBYE:
@@ -220,24 +243,57 @@ class _Input:
         elif msg.type == MsgType.KILL:
             self.abort = True
         elif msg.type == MsgType.WORKER_LOST:
-            self.requeue(str(msg.header["name"]))
+            if msg.header.get("reason") == "timeout":
+                failure = Failure.timeout(float(self.ledger.event_timeout_s or 0))
+            else:
+                failure = Failure.from_returncode(int(msg.header.get("code", -9)))
+            self.requeue(str(msg.header["name"]), failure)
 
-    def requeue(self, name: str) -> int:
-        """Put every unconfirmed batch of the lost worker ``name`` back in the queue.
+    def requeue(self, name: str, failure: Failure) -> int:
+        """Take back every unconfirmed event of the lost worker ``name``.
 
-        Each goes out again (to another worker) with ``attempt + 1``; returns how many
-        events were re-queued. The output drops any uid it already wrote.
+        Pending events are sent again (to other workers) with ``attempt + 1``;
+        poisoned ones (``max_attempts`` failures) go to the output to be written raw,
+        flagged quarantined. Returns how many events came back. The output drops any
+        uid it already wrote.
         """
         for ident, slot in list(self.workers.items()):
             if slot.name == name:
                 del self.workers[ident]
-        n = 0
-        for bid in [b for b, batch in self.inflight.items() if batch.worker == name]:
-            batch = self.inflight.pop(bid)
-            batch.attempt += 1
-            self.resend.append(batch)
-            n += batch.n
-        return n
+        entries = self.ledger.requeue_worker(name, failure)
+        poisoned = [e for e in entries if e.poisoned]
+        self.resend.extend(e for e in entries if not e.poisoned)
+        if poisoned:
+            self._quarantine(poisoned)
+        return len(entries)
+
+    def _quarantine(self, entries: list[LedgerEntry]) -> None:
+        header = {
+            "b": -1,
+            "a": max(e.attempt for e in entries),
+            "u": u64([e.uid for e in entries]),
+            "s": u64([self.seq_of.get(e.uid, 0) for e in entries]),
+            "k": bytes([1] * len(entries)),
+            "w": "input",
+            "q": [e.reason for e in entries],
+        }
+        payload = pack_batch([e.frames for e in entries], header, packed=False)
+        if self.output_id is not None:
+            message = encode_message(MsgType.EVENTS, header, payload)
+            self.back.send_multipart([self.output_id, *message])
+        self.quarantined += len(entries)
+
+    def _check_timeouts(self) -> None:
+        now = time.monotonic()
+        if now < self.next_check_s:
+            return
+        self.next_check_s = now + 0.05
+        for entry in self.ledger.expired(now):
+            if entry.worker not in self.timeouts_asked:
+                self.timeouts_asked.add(entry.worker)
+                header = {"state": "TIMEOUT", "name": "input", "worker": entry.worker}
+                header["uid"] = entry.uid
+                self.ctl.send_multipart(encode_message(MsgType.STATE, header))
 
     # --- feeding --------------------------------------------------------------------------
     def _can_feed(self) -> bool:
@@ -253,25 +309,51 @@ class _Input:
             window = self.sizer.window(slot.buffer)
             while slot.inflight < window:
                 if self.resend:
-                    batch = self.resend.popleft()
-                elif self.exhausted or self.stopping or self._ordered_full():
+                    if not self._resend_one(ident, slot):
+                        break
+                    continue
+                if self.exhausted or self.stopping or self._ordered_full():
                     return
-                else:
-                    batch = self._read_batch(min(window - slot.inflight, self.sizer.size()))
-                    if batch is None:
-                        return
+                batch = self._read_batch(min(window - slot.inflight, self.sizer.size()))
+                if batch is None:
+                    return
                 self._send(ident, slot, batch)
+                now = time.monotonic() if self.ledger.event_timeout_s is not None else 0.0
+                self.ledger.add_batch(
+                    zip(batch.uids, batch.positions, batch.enc, strict=True), slot.name, now
+                )
+
+    def _resend_one(self, ident: bytes, slot: _Slot) -> bool:
+        """Send the next re-queued event alone; an isolated one only to an idle worker."""
+        entry = self.resend[0]
+        if entry.isolate and slot.inflight:
+            return False
+        self.resend.popleft()
+        if entry.state.value == "confirmed":
+            return True  # confirmed meanwhile (its first result arrived after all)
+        self.ledger.resend(entry.uid, slot.name)
+        batch = Batch(
+            [entry.frames],
+            [entry.uid],
+            [entry.position],
+            u64([self.seq_of.get(entry.uid, 0)]),
+            packed=False,
+        )
+        batch.attempt = entry.attempt
+        self._send(ident, slot, batch)
+        return True
 
     def _ordered_full(self) -> bool:
         """--ordered: stay within ``reorder_window`` events of the oldest unconfirmed one."""
-        if not self.ordered or not (self.inflight or self.resend):
+        if not self.ordered or not len(self.ledger):
             return False
-        oldest = min(b.seq0 for b in (*self.inflight.values(), *self.resend))
+        oldest = self.seq_of.get(self.ledger.entries()[0].uid, self.next_seq)
         return self.next_seq - oldest >= self.reorder_window
 
     def _read_batch(self, n: int) -> Batch | None:
         enc: list[Any] = []
         uids: list[int] = []
+        positions: list[int] = []
         chain, it, clock = self.chain, self.it, time.perf_counter
         current = chain.run
         while len(enc) < n:
@@ -306,22 +388,24 @@ class _Input:
                     n = 1
             enc.append(frames)
             uids.append(meta.uid)
+            positions.append(self.read - 1)
         if not enc:
             return None
         seq0 = self.next_seq
         self.next_seq += len(enc)
-        return Batch(enc, u64(uids), u64(range(seq0, self.next_seq)), seq0, self.sizer.packed)
+        if self.ordered:
+            self.seq_of.update(zip(uids, range(seq0, self.next_seq), strict=True))
+        seqs = u64(range(seq0, self.next_seq))
+        return Batch(enc, uids, positions, seqs, self.sizer.packed)
 
     def _send(self, ident: bytes, slot: _Slot, batch: Batch) -> None:
         bid = self.next_bid
         self.next_bid += 1
-        header = {"b": bid, "a": batch.attempt, "u": batch.uids, "s": batch.seqs}
+        header = {"b": bid, "a": batch.attempt, "u": u64(batch.uids), "s": batch.seqs}
         payload = pack_batch(batch.enc, header, batch.packed)
         self.router.send_multipart(
             [ident, *encode_message(MsgType.EVENTS, header, payload)], copy=False
         )
-        batch.worker = slot.name
-        self.inflight[bid] = batch
         slot.inflight += batch.n
 
     # --- the end ------------------------------------------------------------------------
@@ -330,7 +414,7 @@ class _Input:
         return encode_message(MsgType.END, {"run": [run.experiment, run.run] if run else None})
 
     def _maybe_end(self) -> None:
-        if not (self.exhausted or self.stopping) or self.inflight or self.resend:
+        if not (self.exhausted or self.stopping) or len(self.ledger) or self.resend:
             return
         if not self.end_sent:
             self.end_sent = True

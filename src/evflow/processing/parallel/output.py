@@ -17,14 +17,17 @@ import signal
 import time
 from typing import Any
 
+import numpy as np
 import zmq
 
 from evflow.errors import EvflowError
 from evflow.processing.chain import ModuleChain
+from evflow.processing.datastore import FLAG_QUARANTINED
 from evflow.processing.parallel.batching import from_u64, unpack_batch
 from evflow.processing.parallel.common import channel, current_split, error_message, run_of
+from evflow.processing.parallel.dedup import WrittenUids
 from evflow.processing.parallel.persist import decode_persistent, encode_persistent, merge_into
-from evflow.wire.codec import decode_event
+from evflow.wire.codec import decode_event, peek_meta, with_meta
 from evflow.wire.messages import BadMessageCounter, MsgType, encode_message
 
 #: confirm after this many events or this much time, whichever comes first
@@ -73,17 +76,17 @@ class _Output:
         self.ordered = bool(options.get("ordered"))
         self.chain = ModuleChain(current_split().output, process="output")
         self.writers = self.chain.writers()
-        self.seen: set[int] = set()
-        self.pending: list[int] = []  # batch ids written, not yet flushed and confirmed
+        self.seen = WrittenUids()
+        self.pending: list[Any] = []  # uid arrays written, not yet flushed and confirmed
         self.pending_n = 0
         self.pending_since = 0.0
-        # --ordered: seq -> (frames or None, batch id); batch id -> events still buffered
-        self.reorder: dict[int, tuple[Any, int]] = {}
-        self.bid_left: dict[int, int] = {}
+        # --ordered: seq -> (frames or None when dropped, quarantined?, uid)
+        self.reorder: dict[int, tuple[Any, bool, int]] = {}
         self.next_seq = 0
         self.written = 0
         self.dropped = 0
-        self.duplicates = 0
+        self.quarantined = 0
+        self.quarantine_reasons: dict[int, str] = {}
         self.results: dict[str, list[Any]] = {}
         self.end: dict[str, Any] | None = None
         self.end_payload: list[Any] = []
@@ -142,12 +145,13 @@ class _Output:
                 self.bad.record("bad-header", f"{type(exc).__name__}: {exc}")
 
     def _on_events(self, header: dict[str, Any], payload: list[Any]) -> None:
-        bid = int(header["b"])
         kept = header["k"]
         events = unpack_batch(header, payload)
-        uids = from_u64(header["u"]).tolist()
+        uid_array = from_u64(header["u"])
+        uids = uid_array.tolist()
         seqs = from_u64(header["s"]).tolist() if self.ordered else None
-        seen = self.seen
+        reasons = header.get("q")  # from the input: events to write raw, quarantined
+        check_and_add = self.seen.check_and_add
         j = 0
         buffered = 0
         for i, uid in enumerate(uids):
@@ -155,21 +159,22 @@ class _Output:
             if kept[i]:
                 frames = events[j]
                 j += 1
-            if uid in seen:
-                self.duplicates += 1
-                continue
-            seen.add(uid)
+            if not check_and_add(uid):
+                continue  # a duplicate (late result after a re-send): counted, dropped
+            if reasons is not None:
+                self.quarantine_reasons[uid] = str(reasons[i])
             if seqs is not None:
-                self.reorder[seqs[i]] = (frames, bid)
+                self.reorder[seqs[i]] = (frames, reasons is not None, uid)
                 buffered += 1
             elif frames is None:
                 self.dropped += 1
+            elif reasons is not None:
+                self._write_raw(frames)
             else:
                 self._write(frames)
-        if seqs is None or not buffered:
-            self._written(bid, len(uids))
-        else:
-            self.bid_left[bid] = buffered
+        if seqs is None:
+            self._written(uid_array)
+        elif buffered:
             self._emit_in_order()
 
     def _write(self, frames: Any) -> None:
@@ -182,30 +187,42 @@ class _Output:
         else:
             self.dropped += 1
 
+    def _write_raw(self, frames: Any) -> None:
+        meta = peek_meta(frames)
+        meta.flags |= FLAG_QUARANTINED
+        frames = with_meta(frames, meta)
+        for w in self.writers:
+            w.write_raw(meta, frames)
+        self.quarantined += 1
+
     def _emit_in_order(self) -> None:
-        reorder, left = self.reorder, self.bid_left
+        reorder = self.reorder
+        done: list[int] = []
         while self.next_seq in reorder:
-            frames, bid = reorder.pop(self.next_seq)
+            frames, raw, uid = reorder.pop(self.next_seq)
             self.next_seq += 1
             if frames is None:
                 self.dropped += 1
+            elif raw:
+                self._write_raw(frames)
             else:
                 self._write(frames)
-            left[bid] -= 1
-            if not left[bid]:
-                del left[bid]
-                self._written(bid, 1)
+            done.append(uid)
+        if done:  # confirmed only once written, i.e. in input order
+            self._written(np.array(done, dtype=np.uint64))
 
-    def _written(self, bid: int, n: int) -> None:
+    def _written(self, uid_array: Any) -> None:
         if not self.pending:
             self.pending_since = time.monotonic()
-        self.pending.append(bid)
-        self.pending_n += n
+        self.pending.append(uid_array)
+        self.pending_n += len(uid_array)
 
     def _confirm(self) -> None:
         for w in self.writers:
             w.flush()
-        self.back.send_multipart(encode_message(MsgType.CONFIRM, {"b": self.pending}))
+        uids = np.concatenate(self.pending) if len(self.pending) > 1 else self.pending[0]
+        message = encode_message(MsgType.CONFIRM, {"n": len(uids)}, [uids.tobytes()])
+        self.back.send_multipart(message)
         self.pending = []
         self.pending_n = 0
 
@@ -223,7 +240,8 @@ class _Output:
             self._confirm()
         merged: dict[str, Any] = {}
         if self.end_payload:
-            merge_into(merged, decode_persistent(self.end_payload[0], self.end_payload[1:]), "input")
+            head, *frames = self.end_payload
+            merge_into(merged, decode_persistent(head, frames), "input")
         missing = []
         for name in self.end["workers"]:
             if name not in self.results:
@@ -254,7 +272,9 @@ class _Output:
             "stats": [s.as_dict() for s in self.chain.statistics()],
             "written": self.written,
             "dropped": self.dropped,
-            "duplicates": self.duplicates,
+            "duplicates": self.seen.duplicates_dropped,
+            "quarantined": self.quarantined,
+            "quarantine_reasons": [[u, r] for u, r in self.quarantine_reasons.items()],
             "aborted": aborted,
             "missing_results": missing or [],
             "skipped": skipped,

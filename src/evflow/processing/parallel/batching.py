@@ -29,6 +29,9 @@ TARGET_BATCH_B = 256 * 1024
 #: ... and about this much work in one worker, so the end of a run stays balanced (s)
 TARGET_BATCH_WORK_S = 0.004
 MAX_BATCH_EVENTS = 1024
+#: frames at least this large are sent without a copy; below it a memcpy is cheaper than
+#: pyzmq's zero-copy bookkeeping (measured here: ~40 us per zero-copy frame on 2 cores)
+ZERO_COPY_MIN_B = 512 * 1024
 
 _U64 = np.uint64
 
@@ -87,7 +90,9 @@ class BatchSizer:
 
     Small, cheap events are batched up to ``TARGET_BATCH_B`` bytes; expensive events
     are batched only up to ``TARGET_BATCH_WORK_S`` of work so that the last batches
-    do not leave workers idle; events above ``PACK_LIMIT_B`` go one by one.
+    do not leave workers idle; events above ``PACK_LIMIT_B`` keep their own frames
+    (a few per message up to ``TARGET_BATCH_B``, 1 MB events one by one), sent
+    zero-copy from ``ZERO_COPY_MIN_B`` on.
     """
 
     __slots__ = ("event_b", "work_s")
@@ -107,12 +112,15 @@ class BatchSizer:
         return self.event_b < PACK_LIMIT_B
 
     def size(self) -> int:
-        if not self.packed:
-            return 1
         by_bytes = int(TARGET_BATCH_B / max(self.event_b, 1.0))
         # until a worker has reported its speed, start with small batches
         by_work = int(TARGET_BATCH_WORK_S / self.work_s) if self.work_s > 0 else 4
         return max(1, min(by_bytes, by_work, MAX_BATCH_EVENTS))
+
+    @property
+    def zero_copy(self) -> bool:
+        """Whether batches should be sent without copying (large events)."""
+        return self.event_b >= ZERO_COPY_MIN_B
 
     def window(self, event_buffer: int) -> int:
         """Events in flight per worker: the announced credit, or two batches if more."""

@@ -384,8 +384,7 @@ class _Input:
             frames = encode_event(store)
             if not enc:
                 self.sizer.observe_size(frames_nbytes(frames))
-                if not self.sizer.packed:
-                    n = 1
+                n = min(n, self.sizer.size())
             enc.append(frames)
             uids.append(meta.uid)
             positions.append(self.read - 1)
@@ -404,7 +403,8 @@ class _Input:
         header = {"b": bid, "a": batch.attempt, "u": u64(batch.uids), "s": batch.seqs}
         payload = pack_batch(batch.enc, header, batch.packed)
         self.router.send_multipart(
-            [ident, *encode_message(MsgType.EVENTS, header, payload)], copy=False
+            [ident, *encode_message(MsgType.EVENTS, header, payload)],
+            copy=not self.sizer.zero_copy,
         )
         slot.inflight += batch.n
 

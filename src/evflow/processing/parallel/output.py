@@ -76,6 +76,7 @@ class _Output:
         self.ordered = bool(options.get("ordered"))
         self.chain = ModuleChain(current_split().output, process="output")
         self.writers = self.chain.writers()
+        self.no_modules = not self.chain.modules
         self.seen = WrittenUids()
         self.pending: list[Any] = []  # uid arrays written, not yet flushed and confirmed
         self.pending_n = 0
@@ -170,6 +171,8 @@ class _Output:
                 self.dropped += 1
             elif reasons is not None:
                 self._write_raw(frames)
+            elif self.no_modules:
+                self.written += 1  # nothing in the output path reads it: no decoding
             else:
                 self._write(frames)
         if seqs is None:
@@ -178,6 +181,9 @@ class _Output:
             self._emit_in_order()
 
     def _write(self, frames: Any) -> None:
+        if self.no_modules:
+            self.written += 1
+            return
         store = decode_event(frames)
         meta, current = store.meta, self.chain.run
         if current is None or current.run != meta.run or current.experiment != meta.experiment:

@@ -19,7 +19,12 @@ import zmq
 
 from evflow.errors import EvflowError
 from evflow.processing.chain import ModuleChain
-from evflow.processing.parallel.batching import pack_batch, unpack_batch
+from evflow.processing.parallel.batching import (
+    ZERO_COPY_MIN_B,
+    frames_nbytes,
+    pack_batch,
+    unpack_batch,
+)
 from evflow.processing.parallel.common import channel, current_split, error_message, run_of
 from evflow.processing.parallel.persist import encode_persistent
 from evflow.wire.codec import decode_event, encode_event
@@ -104,19 +109,26 @@ class _Worker:
         for i, frames in enumerate(events):
             store = decode_event(frames)
             meta = store.meta
+            fresh = meta.attempt == attempt  # the frames' meta is still right
             meta.attempt = attempt
+            flags = meta.flags
+            before = list(store.objects.items())
             if current is None or current.run != meta.run or current.experiment != meta.experiment:
                 chain.switch_run(meta.experiment, meta.run)
                 current = chain.run
             if chain.event(store):
                 kept_mask[i] = 1
-                kept.append(encode_event(store))
+                if fresh and meta.flags == flags and _unchanged(store.objects, before):
+                    kept.append(frames)  # nothing changed: forward the received frames
+                else:
+                    kept.append(encode_event(store))
         per_event_s = (time.perf_counter() - t0) / max(len(events), 1)
         out = {"b": header["b"], "a": attempt, "u": header["u"], "s": header["s"]}
         out["k"] = bytes(kept_mask)
         out["w"] = self.name
         body = pack_batch(kept, out, packed=header["p"])
-        self.push.send_multipart(encode_message(MsgType.EVENTS, out, body), copy=False)
+        large = not header["p"] and len(body) and frames_nbytes(body) >= ZERO_COPY_MIN_B * len(kept)
+        self.push.send_multipart(encode_message(MsgType.EVENTS, out, body), copy=not large)
         self.dealer.send_multipart(
             encode_message(MsgType.READY, {"credit": len(events), "t": per_event_s})
         )
@@ -147,3 +159,18 @@ class _Worker:
         # RESULT and GOODBYE must leave before the sockets close
         for sock in (self.push, self.dealer, self.ctl):
             sock.linger = 5000
+
+
+def _unchanged(objects: dict[str, Any], before: list[tuple[str, Any]]) -> bool:
+    """True when the modules left the store as decoded (same objects, none mutable).
+
+    Decoded arrays are read-only views, so identity is enough for them; dicts and
+    lists could have been changed in place, so a store holding one is re-encoded.
+    """
+    if len(objects) != len(before):
+        return False
+    get = objects.get
+    for key, value in before:
+        if get(key) is not value or isinstance(value, dict | list):
+            return False
+    return True

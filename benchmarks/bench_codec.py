@@ -38,15 +38,20 @@ def make_store(payload_bytes: int, uid: int = 12345678901) -> DataStore:
     return DataStore(EventMeta(uid, experiment=1, run=42, event=uid % 100000), objects)
 
 
-def per_call_us(func: Callable[[], Any], n: int, repeats: int) -> float:
-    """Best over ``repeats`` of the mean time of ``n`` calls, in microseconds."""
-    best = float("inf")
+def per_call_us(funcs: dict[str, Callable[[], Any]], n: int, repeats: int) -> dict[str, float]:
+    """Best over ``repeats`` of the mean time of ``n`` calls of each func, in µs.
+
+    The funcs take turns within each repeat, so that load from other processes on the
+    machine hits all of them alike and the ratios stay meaningful.
+    """
+    best = dict.fromkeys(funcs, float("inf"))
     for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(n):
-            func()
-        best = min(best, (time.perf_counter() - start) / n)
-    return best * 1e6
+        for name, func in funcs.items():
+            start = time.perf_counter()
+            for _ in range(n):
+                func()
+            best[name] = min(best[name], (time.perf_counter() - start) / n * 1e6)
+    return best
 
 
 def pickle_encode(store: DataStore) -> list[Any]:
@@ -77,21 +82,34 @@ def main() -> None:
         store = make_store(size)
         ev_frames = encode_event(store)
         pk_frames = pickle_encode(store)
-        enc = per_call_us(lambda: encode_event(store), n, repeats)  # noqa: B023
-        dec = per_call_us(lambda: decode_event(ev_frames), n, repeats)  # noqa: B023
-        penc = per_call_us(lambda: pickle_encode(store), n, repeats)  # noqa: B023
-        pdec = per_call_us(lambda: pickle_decode(pk_frames), n, repeats)  # noqa: B023
-        rows.append((label, enc, dec, penc, pdec))
+        t = per_call_us(
+            {
+                "enc": lambda: encode_event(store),  # noqa: B023
+                "dec": lambda: decode_event(ev_frames),  # noqa: B023
+                "penc": lambda: pickle_encode(store),  # noqa: B023
+                "pdec": lambda: pickle_decode(pk_frames),  # noqa: B023
+            },
+            n // 5,
+            repeats * 5,
+        )
+        rows.append((label, t["enc"], t["dec"], t["penc"], t["pdec"]))
 
     batch = [make_store(1024, uid) for uid in range(100)]
     batch_frames = encode_batch(batch)
-    nb = max(10, int(300 * scale))
-    benc = per_call_us(lambda: encode_batch(batch), nb, repeats) / len(batch)
-    bdec = per_call_us(lambda: decode_batch(batch_frames), nb, repeats) / len(batch)
     pk_batch = [pickle_encode(s) for s in batch]
-    pbenc = per_call_us(lambda: [pickle_encode(s) for s in batch], nb, repeats) / len(batch)
-    pbdec = per_call_us(lambda: [pickle_decode(f) for f in pk_batch], nb, repeats) / len(batch)
-    rows.append(("1 kB x100 batch", benc, bdec, pbenc, pbdec))
+    nb = max(2, int(60 * scale))
+    t = per_call_us(
+        {
+            "enc": lambda: encode_batch(batch),
+            "dec": lambda: decode_batch(batch_frames),
+            "penc": lambda: [pickle_encode(s) for s in batch],
+            "pdec": lambda: [pickle_decode(f) for f in pk_batch],
+        },
+        nb,
+        repeats * 5,
+    )
+    k = len(batch)
+    rows.append(("1 kB x100 batch", t["enc"] / k, t["dec"] / k, t["penc"] / k, t["pdec"] / k))
 
     print(f"{'event':<16} {'encode':>8} {'decode':>8} {'evflow':>8} "
           f"{'pk enc':>8} {'pk dec':>8} {'pickle':>8} {'ratio':>6}   (µs per event)")  # fmt: skip
@@ -101,13 +119,19 @@ def main() -> None:
               f"{penc:8.2f} {pdec:8.2f} {penc + pdec:8.2f} {ratio:6.2f}")  # fmt: skip
 
     small = encode_event(make_store(1024))
-    peek = per_call_us(lambda: peek_meta(small), 20000, repeats)
     msg = encode_message(MsgType.EVENTS, {"n": 1}, small)
-    menc = per_call_us(lambda: encode_message(MsgType.EVENTS, {"n": 1}, small), 20000, repeats)
-    mdec = per_call_us(lambda: decode_message(msg), 20000, repeats)
+    t = per_call_us(
+        {
+            "peek": lambda: peek_meta(small),
+            "menc": lambda: encode_message(MsgType.EVENTS, {"n": 1}, small),
+            "mdec": lambda: decode_message(msg),
+        },
+        4000,
+        repeats * 5,
+    )
     print(
-        f"\npeek_meta (1 kB event): {peek:.2f} µs; "
-        f"encode_message: {menc:.2f} µs; decode_message: {mdec:.2f} µs"
+        f"\npeek_meta (1 kB event): {t['peek']:.2f} µs; encode_message: {t['menc']:.2f} µs; "
+        f"decode_message: {t['mdec']:.2f} µs"
     )
 
 

@@ -8,6 +8,7 @@ import pickle
 import random
 import struct
 import time
+from pathlib import Path
 from typing import Any
 
 import awkward as ak
@@ -18,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from evflow.errors import CodecError
+from evflow.errors import CodecError, ConfigurationError
 from evflow.processing.datastore import DataStore, EventMeta
 from evflow.wire import codec
 from evflow.wire.codec import (
@@ -28,6 +29,7 @@ from evflow.wire.codec import (
     decode_event,
     encode_batch,
     encode_event,
+    get_codec,
     join_events,
     pack_frames,
     peek_meta,
@@ -235,6 +237,17 @@ def test_pickle_codec_round_trips_any_object_and_default_codec_refuses_it() -> N
         decode_event(frames)
 
 
+def test_get_codec_chooses_by_name_and_refuses_unknown_names() -> None:
+    store = DataStore(EventMeta(8), {"x": np.arange(3)})
+    for name in ("msgpack", "pickle"):
+        chosen = get_codec(name)
+        assert chosen.name == name
+        assert same_array(chosen.decode_event(chosen.encode_event(store))["x"], store["x"])
+        assert len(chosen.decode_batch(chosen.encode_batch([store, store]))) == 2
+    with pytest.raises(ConfigurationError, match="unknown codec 'json'"):
+        get_codec("json")
+
+
 # --- bad input to the encoder ----------------------------------------------------------
 @pytest.mark.parametrize(
     ("obj", "match"),
@@ -266,6 +279,7 @@ def header(*fields: Any) -> bytes:
 
 META = struct.pack("<QqqqQq", 1, 0, 0, 0, 0, 1)
 FLOAT_FORM = '{"class": "NumpyArray", "primitive": "float64", "form_key": "n"}'
+EMPTY_RECORDS = '{"class": "RecordArray", "fields": [], "contents": []}'
 
 
 def ev(*entries: Any) -> bytes:
@@ -485,3 +499,43 @@ def test_module_exports_the_interface_names() -> None:
     for name in ("pack_frames", "unpack_frames", "peek_meta"):
         assert callable(getattr(codec, name))
     assert not math.isnan(codec.CODEC_VERSION)
+
+
+# --- old formats keep loading ----------------------------------------------------------
+DATA = Path(__file__).parent / "data"
+
+
+def fixture_store(uid: int) -> DataStore:
+    """The store that tests/data/codec_v1_*.bin were written from (never change it)."""
+    meta = EventMeta(uid, experiment=1, run=42, event=7, flags=1, attempt=2)
+    objects = {
+        "small": np.arange(6, dtype="<i4").reshape(2, 3),
+        "large": np.linspace(0, 1, 3000, dtype=">f8"),
+        "jets": ak.Array([[1.5, 2.5], [], [3.5]]),
+        "n": 3,
+        "name": "muon",
+        "cfg": {"cut": 0.5, "ids": [1, 2]},
+        "sc": np.float32(2.5),
+    }
+    return DataStore(meta, objects)
+
+
+def assert_same_store(got: DataStore, want: DataStore) -> None:
+    assert got.meta == want.meta
+    assert list(got) == list(want)
+    for key, value in want.items():
+        if isinstance(value, np.ndarray):
+            assert same_array(got[key], value)
+        elif isinstance(value, ak.Array):
+            assert got[key].to_list() == value.to_list()
+        else:
+            assert got[key] == value and type(got[key]) is type(value)
+
+
+def test_codec_version_1_fixture_files_still_decode() -> None:
+    event = decode_event(unpack_frames((DATA / "codec_v1_event.bin").read_bytes()))
+    assert_same_store(event, fixture_store(2**64 - 1))
+    batch = decode_batch(unpack_frames((DATA / "codec_v1_batch.bin").read_bytes()))
+    assert len(batch) == 2
+    for got, uid in zip(batch, (1, 2), strict=True):
+        assert_same_store(got, fixture_store(uid))

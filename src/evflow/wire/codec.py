@@ -37,7 +37,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from evflow.errors import CodecError
+from evflow.errors import CodecError, ConfigurationError
 from evflow.processing.datastore import DataStore, EventMeta
 from evflow.wire._arrays import (
     array_from_buffer,
@@ -52,12 +52,14 @@ from evflow.wire._pickle_codec import PICKLE_MAGIC, PickleCodec
 __all__ = [
     "CODEC_VERSION",
     "INLINE_MAX_BYTES",
+    "DefaultCodec",
     "Frame",
     "PickleCodec",
     "decode_batch",
     "decode_event",
     "encode_batch",
     "encode_event",
+    "get_codec",
     "join_events",
     "pack_frames",
     "peek_meta",
@@ -79,8 +81,10 @@ _META = struct.Struct("<QqqqQq")
 _EVENT_PREFIX = bytes([0x94, CODEC_VERSION, KIND_EVENT, 0xC4, _META.size])
 _META_START = len(_EVENT_PREFIX)
 _META_END = _META_START + _META.size
-# Upper bound of an awkward array's declared length (the buffers bound the rest).
-MAX_AWKWARD_LENGTH = 1 << 40
+# An awkward array may declare at most 8 elements per buffer byte (bit-masks) plus this
+# slack: zero-width nodes (empty records, size-0 RegularArray) otherwise let a tiny
+# message declare a length of 2**40 that later hangs whoever iterates it.
+AWKWARD_LENGTH_SLACK = 4096
 
 Frame = bytes | memoryview
 _PLAIN = frozenset({int, float, str, bytes, bool, type(None), dict, list, tuple})
@@ -290,9 +294,10 @@ def _decode_awkward(
     name, _, form, length, bufs = entry
     if type(form) is not str or type(length) is not int or type(bufs) is not list:
         raise CodecError(f"bad awkward entry {name!r} in header")
-    if not 0 <= length <= MAX_AWKWARD_LENGTH:
+    if length < 0:
         raise CodecError(f"bad awkward array {name!r}: length {length}")
     container: dict[str, Any] = {}
+    nbytes = 0
     for item in bufs:
         if type(item) is not list or len(item) != 2 or type(item[0]) is not str:
             raise CodecError(f"bad awkward buffer entry in {name!r}: {_short(item)}")
@@ -301,6 +306,12 @@ def _decode_awkward(
             data = _take(data, frames, nxt, end, first)
             nxt += 1
         container[item[0]] = data
+        nbytes += len(data) if type(data) is bytes else memoryview(data).nbytes
+    if length > AWKWARD_LENGTH_SLACK + 8 * nbytes:
+        raise CodecError(
+            f"awkward array {name!r} declares length {length} but carries only {nbytes} "
+            f"bytes of buffers (at most 8 elements per byte + {AWKWARD_LENGTH_SLACK})"
+        )
     import awkward as ak
 
     try:
@@ -445,3 +456,25 @@ def unpack_frames(buf: Any) -> list[memoryview]:
         out.append(view[pos : pos + n])
         pos += n
     return out
+
+
+# --- choosing a codec ------------------------------------------------------------------
+class DefaultCodec:
+    """The safe msgpack codec as an object with the same methods as :class:`PickleCodec`."""
+
+    name = "msgpack"
+    encode_event = staticmethod(encode_event)
+    decode_event = staticmethod(decode_event)
+    encode_batch = staticmethod(encode_batch)
+    decode_batch = staticmethod(decode_batch)
+
+
+def get_codec(name: str = "msgpack") -> DefaultCodec | PickleCodec:
+    """``"msgpack"`` (the default, safe anywhere) or ``"pickle"`` (same host only)."""
+    if name in ("msgpack", "default"):
+        return DefaultCodec()
+    if name == "pickle":
+        return PickleCodec()
+    raise ConfigurationError(
+        f"unknown codec {name!r} (choose 'msgpack', or 'pickle' for same-host runs only)"
+    )

@@ -13,8 +13,9 @@ and logging the first one of each kind.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
@@ -68,13 +69,25 @@ _TYPE_FRAME: dict[int, bytes] = {int(t): bytes([int(t)]) for t in MsgType}
 _EMPTY_MAP = b"\x80"  # msgpack {}
 
 
+_local = threading.local()
+
+
+def _packer() -> msgpack.Packer:
+    """This thread's Packer (reusing one saves ~0.2 µs per message over ``packb``)."""
+    try:
+        return _local.packer  # type: ignore[no-any-return]
+    except AttributeError:
+        _local.packer = msgpack.Packer()
+        return _local.packer  # type: ignore[no-any-return]
+
+
 @dataclass(slots=True)
 class Message:
     """A decoded message. ``payload`` frames are passed through untouched."""
 
     type: MsgType
     header: dict[Any, Any]
-    payload: Sequence[Any] = field(default_factory=tuple)
+    payload: Sequence[Any]
 
 
 def encode_message(
@@ -86,7 +99,7 @@ def encode_message(
     except KeyError:
         raise ProtocolError(f"unknown message type {type!r} (not a MsgType)") from None
     try:
-        head = msgpack.packb(header) if header else _EMPTY_MAP
+        head = _packer().pack(header) if header else _EMPTY_MAP
     except (TypeError, ValueError, OverflowError) as exc:
         raise ProtocolError(f"cannot encode {MsgType(type).name} header: {exc}") from None
     if payload:

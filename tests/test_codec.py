@@ -15,6 +15,7 @@ import awkward as ak
 import msgpack
 import numpy as np
 import pytest
+import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -215,6 +216,41 @@ def test_packed_event_decodes_and_peeks() -> None:
     buf = pack_frames(encode_event(store))
     assert peek_meta(unpack_frames(buf)) == store.meta
     assert same_array(decode_event(unpack_frames(buf))["x"], store["x"])
+
+
+def test_events_decode_from_zmq_frames_received_without_copy() -> None:
+    ctx = zmq.Context()
+    tx, rx = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        for sock in (tx, rx):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVTIMEO, 5000)
+        tx.bind("inproc://codec-test")
+        rx.connect("inproc://codec-test")
+        store = DataStore(EventMeta(11), {"big": np.arange(50000.0), "s": np.arange(3)})
+        tx.send_multipart(encode_event(store), copy=False)
+        frames = rx.recv_multipart(copy=False)
+        assert isinstance(frames[0], zmq.Frame)
+        assert peek_meta(frames) == store.meta and peek_metas(frames) == [store.meta]
+        out = decode_event(frames)
+        assert same_array(out["big"], store["big"]) and same_array(out["s"], store["s"])
+        assert same_array(decode_event(with_meta(frames, EventMeta(12)))["big"], store["big"])
+        tx.send_multipart(PickleCodec().encode_event(store), copy=False)
+        pickled = rx.recv_multipart(copy=False)
+        for decoder in (decode_event, decode_batch, peek_meta, split_batch):
+            with pytest.raises(CodecError, match="encoded by the pickle codec"):
+                decoder(pickled)
+    finally:
+        tx.close(0)
+        rx.close(0)
+        ctx.term()
+
+
+@pytest.mark.parametrize("frames", [[None], [1], None, 5, [object()]])
+def test_non_buffer_frames_raise_codec_error(frames: Any) -> None:
+    for decoder in (decode_event, decode_batch, peek_meta, peek_metas, split_batch):
+        with pytest.raises(CodecError):
+            decoder(frames)
 
 
 def test_with_meta_rewrites_only_the_header() -> None:
@@ -471,6 +507,8 @@ def test_fuzz_decode_event_raises_only_codec_error() -> None:
             frames = mutate(rng, rng.choice(corpus))
             if rng.random() < 0.3:
                 frames = mutate(rng, frames)
+            if i % 5 == 0:  # what recv_multipart(copy=False) + .buffer would give
+                frames = [memoryview(f) for f in frames]  # type: ignore[misc]
         for decoder in (decode_event, decode_batch, peek_meta):
             try:
                 decoder(frames)

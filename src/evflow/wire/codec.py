@@ -29,10 +29,11 @@ for same-host runs that carry arbitrary Python objects, as an explicit opt-in.
 
 from __future__ import annotations
 
+import functools
 import struct
 import threading
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import msgpack
 import numpy as np
@@ -87,6 +88,7 @@ _META_END = _META_START + _META.size
 AWKWARD_LENGTH_SLACK = 4096
 
 Frame = bytes | memoryview
+_T = TypeVar("_T")
 _PLAIN = frozenset({int, float, str, bytes, bool, type(None), dict, list, tuple})
 
 
@@ -214,7 +216,7 @@ def _unpack_header(frames: Sequence[Any]) -> list[Any]:
     except CodecError:
         raise
     except Exception as exc:
-        if bytes(head[: len(PICKLE_MAGIC)]) == PICKLE_MAGIC:
+        if _starts_with(head, PICKLE_MAGIC):
             raise CodecError(
                 "these frames were encoded by the pickle codec; the default codec never "
                 "unpickles (decode with PickleCodec, and only data from this host)"
@@ -230,6 +232,32 @@ def _unpack_header(frames: Sequence[Any]) -> list[Any]:
             f"{CODEC_VERSION}); encode and decode with the same evflow version"
         )
     return header
+
+
+def _starts_with(frame: Any, prefix: bytes) -> bool:
+    try:
+        return bytes(memoryview(frame)[: len(prefix)]) == prefix
+    except Exception:
+        return False
+
+
+def _unexpected(what: str, exc: Exception) -> CodecError:
+    # The decoders check everything they know of; this is the net under those checks,
+    # so that nothing but CodecError ever leaves a decoder.
+    return CodecError(f"frames do not decode ({what}): {type(exc).__name__}: {exc}")
+
+
+def _guarded(func: Callable[..., _T]) -> Callable[..., _T]:
+    @functools.wraps(func)
+    def wrapper(*args: Any) -> _T:
+        try:
+            return func(*args)
+        except CodecError:
+            raise
+        except Exception as exc:
+            raise _unexpected(func.__name__, exc) from None
+
+    return wrapper
 
 
 def _short(obj: Any) -> str:
@@ -325,8 +353,13 @@ def decode_event(frames: Sequence[Any]) -> DataStore:
 
     Arrays may be read-only views on ``frames``. Raises :class:`CodecError`.
     """
-    header = _unpack_header(frames)
-    return _decode_body(header, frames, 1, len(frames) - 1)
+    try:
+        header = _unpack_header(frames)
+        return _decode_body(header, frames, 1, len(frames) - 1)
+    except CodecError:
+        raise
+    except Exception as exc:
+        raise _unexpected("decode_event", exc) from None
 
 
 def _batch_parts(frames: Sequence[Any]) -> tuple[list[Any], list[int]]:
@@ -350,17 +383,23 @@ def _batch_parts(frames: Sequence[Any]) -> tuple[list[Any], list[int]]:
 
 def decode_batch(frames: Sequence[Any]) -> list[DataStore]:
     """Decode a batch made by :func:`encode_batch` or :func:`join_events`."""
-    headers, counts = _batch_parts(frames)
-    stores = []
-    first = 1
-    for head, k in zip(headers, counts, strict=True):
-        if type(head) is not bytes:
-            raise CodecError("bad batch header: an event header is not bytes")
-        stores.append(_decode_body(_unpack_header((head,)), frames, first, k))
-        first += k
-    return stores
+    try:
+        headers, counts = _batch_parts(frames)
+        stores = []
+        first = 1
+        for head, k in zip(headers, counts, strict=True):
+            if type(head) is not bytes:
+                raise CodecError("bad batch header: an event header is not bytes")
+            stores.append(_decode_body(_unpack_header((head,)), frames, first, k))
+            first += k
+        return stores
+    except CodecError:
+        raise
+    except Exception as exc:
+        raise _unexpected("decode_batch", exc) from None
 
 
+@_guarded
 def split_batch(frames: Sequence[Any]) -> list[list[Any]]:
     """The events of a batch as separate ``encode_event``-style frame lists (no decode)."""
     headers, counts = _batch_parts(frames)
@@ -390,6 +429,7 @@ def _single_meta(frames: Sequence[Any], what: str) -> EventMeta:
     raise CodecError(f"{what}: bad event header: {_short(header)}")
 
 
+@_guarded
 def peek_meta(frames: Sequence[Any]) -> EventMeta:
     """The meta of one encoded event from the first bytes of its header (< 1 µs).
 
@@ -398,9 +438,10 @@ def peek_meta(frames: Sequence[Any]) -> EventMeta:
     return _single_meta(frames, "peek_meta (use peek_metas for batches)")
 
 
+@_guarded
 def peek_metas(frames: Sequence[Any]) -> list[EventMeta]:
     """The metas of a batch (or of a single event, as a one-element list)."""
-    if frames and bytes(memoryview(frames[0])[:_META_START]) == _EVENT_PREFIX:
+    if frames and _starts_with(frames[0], _EVENT_PREFIX):
         return [peek_meta(frames)]
     headers, _ = _batch_parts(frames)
     metas = []
@@ -411,6 +452,7 @@ def peek_metas(frames: Sequence[Any]) -> list[EventMeta]:
     return metas
 
 
+@_guarded
 def with_meta(frames: Sequence[Any], meta: EventMeta) -> list[Any]:
     """A copy of an encoded event's frames with a new meta (e.g. attempt or flags changed).
 
@@ -433,6 +475,7 @@ def pack_frames(frames: Sequence[Any]) -> bytes:
     return b"".join([head, *frames])
 
 
+@_guarded
 def unpack_frames(buf: Any) -> list[memoryview]:
     """The inverse of :func:`pack_frames`: zero-copy views into ``buf``."""
     try:

@@ -8,7 +8,9 @@ string, like a small reconstructed event. "evflow" is ``encode_event`` +
 ``pickle.dumps((meta, objects), protocol=5, buffer_callback=...)`` +
 ``pickle.loads(..., buffers=...)``. Times are the best of several repeats of the mean
 per event, in microseconds; the ratio is evflow / pickle (below 1: evflow is faster).
-The batch row encodes 100 events of 1 kB in one message (``encode_batch``).
+The batch row encodes 100 events of 1 kB in one message (``encode_batch``); the join
+row encodes them one by one and joins the encoded events (``join_events``), as the
+parallel input does (its decode column is the batch row's).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from evflow.wire.codec import (
     decode_event,
     encode_batch,
     encode_event,
+    join_events,
     peek_meta,
 )
 from evflow.wire.messages import MsgType, decode_message, encode_message
@@ -110,6 +113,16 @@ def main() -> None:
     )
     k = len(batch)
     rows.append(("1 kB x100 batch", t["enc"] / k, t["dec"] / k, t["penc"] / k, t["pdec"] / k))
+    # What the parallel input does: encode each event (kept in the ledger), then join.
+    t = per_call_us(
+        {
+            "enc": lambda: join_events([encode_event(s) for s in batch]),
+            "penc": lambda: [pickle_encode(s) for s in batch],
+        },
+        nb,
+        repeats * 5,
+    )
+    rows.append(("1 kB x100 join", t["enc"] / k, rows[-1][2], t["penc"] / k, rows[-1][4]))
 
     print(f"{'event':<16} {'encode':>8} {'decode':>8} {'evflow':>8} "
           f"{'pk enc':>8} {'pk dec':>8} {'pickle':>8} {'ratio':>6}   (µs per event)")  # fmt: skip

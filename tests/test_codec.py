@@ -142,7 +142,10 @@ def test_awkward_records_with_large_buffers_round_trip() -> None:
 
 
 def test_numpy_scalars_and_nested_arrays_keep_their_types() -> None:
-    objs = {"s": np.float32(1.5), "d": {"a": np.arange(3, dtype=">u2"), "b": [np.int8(-1)]}}
+    objs: dict[str, Any] = {
+        "s": np.float32(1.5),
+        "d": {"a": np.arange(3, dtype=">u2"), "b": [np.int8(-1)]},
+    }
     out = decode_event(encode_event(DataStore(EventMeta(1), objs)))
     assert type(out["s"]) is np.float32 and out["s"] == np.float32(1.5)
     assert same_array(out["d"]["a"], objs["d"]["a"])
@@ -310,7 +313,8 @@ def test_meta_out_of_range_raises_codec_error(meta: EventMeta) -> None:
 
 # --- hostile frames --------------------------------------------------------------------
 def header(*fields: Any) -> bytes:
-    return msgpack.packb(list(fields))
+    packed: bytes = msgpack.packb(list(fields))
+    return packed
 
 
 META = struct.pack("<QqqqQq", 1, 0, 0, 0, 0, 1)

@@ -93,7 +93,7 @@ def check_shape(shape: object) -> tuple[int, int]:
     return count, len(shape)
 
 
-def array_from_buffer(dt: np.dtype[Any], shape: object, buf: Any) -> np.ndarray:
+def array_from_buffer(dt: np.dtype[Any], shape: Any, buf: Any) -> np.ndarray:
     """A (possibly read-only) array viewing ``buf``; the size must match exactly."""
     if type(shape) is list and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0:
         count, ndim = shape[0], 1  # the common case, checked inline
@@ -104,7 +104,7 @@ def array_from_buffer(dt: np.dtype[Any], shape: object, buf: Any) -> np.ndarray:
     if itemsize == 0:
         if nbytes != 0 or count > MAX_ELEMENTS:
             raise CodecError(f"bad array: {count} elements of zero-size dtype {dt}")
-        return np.zeros(shape, dt)  # type: ignore[arg-type]
+        return np.zeros(shape, dt)
     if count * itemsize != nbytes:
         raise CodecError(
             f"array size mismatch: shape {shape} of {dt} needs {count * itemsize} bytes, "
@@ -114,7 +114,7 @@ def array_from_buffer(dt: np.dtype[Any], shape: object, buf: Any) -> np.ndarray:
         arr = np.frombuffer(buf, dt, count)
     except Exception as exc:
         raise CodecError(f"cannot view {nbytes} bytes as {dt}: {exc}") from None
-    return arr if ndim == 1 else arr.reshape(shape)  # type: ignore[arg-type]
+    return arr if ndim == 1 else arr.reshape(shape)
 
 
 def as_bytes_view(arr: np.ndarray) -> memoryview:

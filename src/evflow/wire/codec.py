@@ -103,7 +103,8 @@ def _packb(obj: Any) -> bytes:
     except AttributeError:
         packer = _local.packer = msgpack.Packer(default=ext_default)
     try:
-        return packer.pack(obj)
+        packed: bytes = packer.pack(obj)
+        return packed
     except CodecError:
         raise
     except (OverflowError, ValueError, TypeError) as exc:

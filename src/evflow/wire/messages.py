@@ -75,10 +75,10 @@ _local = threading.local()
 def _packer() -> msgpack.Packer:
     """This thread's Packer (reusing one saves ~0.2 µs per message over ``packb``)."""
     try:
-        return _local.packer  # type: ignore[no-any-return]
+        return _local.packer
     except AttributeError:
         _local.packer = msgpack.Packer()
-        return _local.packer  # type: ignore[no-any-return]
+        return _local.packer
 
 
 @dataclass(slots=True)

@@ -171,6 +171,22 @@ def test_large_array_is_sent_zero_copy_and_decoded_as_read_only_view() -> None:
         out["x"][0] = 1.0
 
 
+def test_writable_decode_copies_only_read_only_arrays() -> None:
+    store = DataStore(EventMeta(1), {"small": np.arange(4.0), "big": np.arange(4000.0)})
+    frames = encode_event(store)
+    received = frames_roundtrip(frames)
+    out = decode_event(received, writable=True)
+    out["small"] += 1  # like a module in a sequential run
+    out["big"] *= 2
+    assert out["small"][0] == 1.0 and out["big"][1] == 2.0
+    assert received == frames_roundtrip(frames)  # the received bytes stay untouched
+    writable_frames = [frames[0], bytearray(frames[1])]
+    out = decode_event(writable_frames, writable=True)
+    assert np.shares_memory(out["big"], np.frombuffer(writable_frames[1], np.uint8))
+    batch = decode_batch(frames_roundtrip(encode_batch([store, store])), writable=True)
+    assert all(s["small"].flags.writeable and s["big"].flags.writeable for s in batch)
+
+
 def test_small_arrays_travel_inline_in_one_frame() -> None:
     objs = {f"a{i}": np.arange(10 * i, dtype=np.int32) for i in range(10)}
     frames = encode_event(DataStore(EventMeta(3), objs))

@@ -283,7 +283,9 @@ def _take(data: Any, frames: Sequence[Any], nxt: int, end: int, first: int) -> A
     return frames[nxt]
 
 
-def _decode_body(header: list[Any], frames: Sequence[Any], first: int, count: int) -> DataStore:
+def _decode_body(
+    header: list[Any], frames: Sequence[Any], first: int, count: int, writable: bool = False
+) -> DataStore:
     if header[1] != KIND_EVENT or len(header) != 4:
         if header[1] == KIND_BATCH:
             raise CodecError("these frames are a batch of events; use decode_batch")
@@ -307,7 +309,10 @@ def _decode_body(header: list[Any], frames: Sequence[Any], first: int, count: in
             if type(buf) is not bytes:
                 buf = _take(buf, frames, nxt, end, first)
                 nxt += 1
-            objects[entry[0]] = array_from_buffer(parse_dtype(entry[2]), entry[3], buf)
+            arr = array_from_buffer(parse_dtype(entry[2]), entry[3], buf)
+            if writable and not arr.flags.writeable:
+                arr = arr.copy()
+            objects[entry[0]] = arr
         elif tag == T_AWKWARD and n == 5:
             objects[entry[0]], nxt = _decode_awkward(entry, frames, nxt, end, first)
         else:
@@ -349,14 +354,16 @@ def _decode_awkward(
         raise CodecError(f"awkward array {name!r} does not decode: {exc}") from None
 
 
-def decode_event(frames: Sequence[Any]) -> DataStore:
+def decode_event(frames: Sequence[Any], *, writable: bool = False) -> DataStore:
     """Decode the frames of one event (bytes, memoryview or ``zmq.Frame``) to a store.
 
-    Arrays may be read-only views on ``frames``. Raises :class:`CodecError`.
+    Arrays are views on ``frames`` and read-only when the frames are (``bytes``);
+    ``writable=True`` copies those (only those) so that modules may modify arrays in
+    place, as they can in a sequential run. Raises :class:`CodecError`.
     """
     try:
         header = _unpack_header(frames)
-        return _decode_body(header, frames, 1, len(frames) - 1)
+        return _decode_body(header, frames, 1, len(frames) - 1, writable)
     except CodecError:
         raise
     except Exception as exc:
@@ -382,8 +389,11 @@ def _batch_parts(frames: Sequence[Any]) -> tuple[list[Any], list[int]]:
     return headers, counts
 
 
-def decode_batch(frames: Sequence[Any]) -> list[DataStore]:
-    """Decode a batch made by :func:`encode_batch` or :func:`join_events`."""
+def decode_batch(frames: Sequence[Any], *, writable: bool = False) -> list[DataStore]:
+    """Decode a batch made by :func:`encode_batch` or :func:`join_events`.
+
+    ``writable`` as for :func:`decode_event`.
+    """
     try:
         headers, counts = _batch_parts(frames)
         stores = []
@@ -391,7 +401,7 @@ def decode_batch(frames: Sequence[Any]) -> list[DataStore]:
         for head, k in zip(headers, counts, strict=True):
             if type(head) is not bytes:
                 raise CodecError("bad batch header: an event header is not bytes")
-            stores.append(_decode_body(_unpack_header((head,)), frames, first, k))
+            stores.append(_decode_body(_unpack_header((head,)), frames, first, k, writable))
             first += k
         return stores
     except CodecError:

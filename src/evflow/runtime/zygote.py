@@ -31,13 +31,11 @@ the one that lives as long as the zygote (PDEATHSIG follows the forking *thread*
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import pickle
 import selectors
 import signal
 import socket
-import struct
 import sys
 import threading
 import time
@@ -46,60 +44,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from evflow.errors import ConfigurationError, PeerLostError, TimeoutError_
+from evflow.runtime._zygote_server import (
+    EXIT_RECORD,
+    ZygoteServer,
+    die_with_parent,
+    recv_obj,
+    send_obj,
+    set_process_name,
+)
 
-PR_SET_PDEATHSIG = 1
-PR_SET_NAME = 15
-PR_SET_CHILD_SUBREAPER = 36
+__all__ = ["Zygote", "die_with_parent", "set_process_name"]
 
-_LEN = struct.Struct("!I")
-_EXIT = struct.Struct("!ii")  # pid, returncode (negative = signal)
 _REPLY_TIMEOUT_S = 30.0
-
-_libc: ctypes.CDLL | None = None
-
-
-def _prctl(option: int, arg: int | bytes) -> None:
-    """Call prctl(2); raise OSError on failure (Linux only)."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    if _libc.prctl(option, arg, 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"prctl({option}) failed: {os.strerror(err)}")
-
-
-def die_with_parent(expected_ppid: int, sig: int = signal.SIGKILL) -> None:
-    """Ask the kernel to send ``sig`` when our parent dies; exit now if it already has."""
-    _prctl(PR_SET_PDEATHSIG, int(sig))
-    if os.getppid() != expected_ppid:  # parent died before prctl took effect
-        os._exit(1)
-
-
-def set_process_name(name: str) -> None:
-    """Kernel thread name (first 15 bytes; what ``ps -o comm`` and psutil ``name()`` show)."""
-    with contextlib.suppress(OSError):
-        _prctl(PR_SET_NAME, name.encode()[:15])
-
-
-def _send_obj(sock: socket.socket, obj: object) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    sock.sendall(_LEN.pack(len(data)) + data)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise EOFError("peer closed the zygote socket")
-        buf += chunk
-    return bytes(buf)
-
-
-def _recv_obj(sock: socket.socket) -> Any:
-    (size,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    # pickle from our own forked process over a private socketpair, never a network peer
-    return pickle.loads(_recv_exact(sock, size))
 
 
 class Zygote:
@@ -145,7 +101,7 @@ class Zygote:
             try:
                 cmd_parent.close()
                 note_parent.close()
-                code = _ZygoteServer(cmd_child, note_child, parent_pid).serve()
+                code = ZygoteServer(cmd_child, note_child, parent_pid).serve()
             except BaseException:
                 traceback.print_exc()
             finally:
@@ -167,9 +123,9 @@ class Zygote:
         if not self._lost:
             try:
                 with self._lock:
-                    _send_obj(self._cmd, ("stop", float(grace_s)))
+                    send_obj(self._cmd, ("stop", float(grace_s)))
                     self._cmd.settimeout(grace_s + 5.0)
-                    _recv_obj(self._cmd)
+                    recv_obj(self._cmd)
             except (OSError, EOFError):
                 pass  # zygote already gone; children died with it
         self._drain_notices(block_until_eof_s=1.0)
@@ -236,8 +192,8 @@ class Zygote:
             return False
         with self._lock:
             try:
-                _send_obj(self._cmd, ("kill", int(pid), int(sig)))
-                status, value = _recv_obj(self._cmd)
+                send_obj(self._cmd, ("kill", int(pid), int(sig)))
+                status, value = recv_obj(self._cmd)
             except (OSError, EOFError) as exc:
                 self._lost = True
                 raise PeerLostError(f"zygote pid {self.pid} is gone: {exc}") from exc
@@ -250,8 +206,8 @@ class Zygote:
             raise PeerLostError(f"zygote pid {self.pid} is gone; cannot spawn {label!r}")
         with self._lock:
             try:
-                _send_obj(self._cmd, command)
-                status, value = _recv_obj(self._cmd)
+                send_obj(self._cmd, command)
+                status, value = recv_obj(self._cmd)
             except TimeoutError as exc:
                 raise TimeoutError_(f"zygote did not answer spawn of {label!r}") from exc
             except (OSError, EOFError) as exc:
@@ -316,12 +272,12 @@ class Zygote:
                 break
             self._notice_buf += chunk
         buf = self._notice_buf
-        n = len(buf) // _EXIT.size
+        n = len(buf) // EXIT_RECORD.size
         for i in range(n):
-            pid, code = _EXIT.unpack_from(buf, i * _EXIT.size)
+            pid, code = EXIT_RECORD.unpack_from(buf, i * EXIT_RECORD.size)
             self._live.pop(pid, None)
             self._pending.append((pid, code))
-        self._notice_buf = buf[n * _EXIT.size :]
+        self._notice_buf = buf[n * EXIT_RECORD.size :]
 
     def _reap_zygote(self, timeout_s: float) -> None:
         assert self.pid is not None
@@ -347,191 +303,3 @@ def selectors_wait(fd: int, timeout_s: float) -> None:
     with selectors.DefaultSelector() as sel:
         sel.register(fd, selectors.EVENT_READ)
         sel.select(timeout_s)
-
-
-class _ZygoteServer:
-    """The loop inside the zygote process: fork on request, reap on SIGCHLD."""
-
-    def __init__(self, cmd: socket.socket, notice: socket.socket, parent_pid: int) -> None:
-        self.cmd = cmd
-        self.notice = notice
-        self.parent_pid = parent_pid
-        self.my_pid = os.getpid()
-        self.live: set[int] = set()
-        self.wake_r, self.wake_w = os.pipe()
-        self.sel = selectors.DefaultSelector()
-
-    def serve(self) -> int:
-        die_with_parent(self.parent_pid)
-        set_process_name("evflow-zygote")
-        with contextlib.suppress(OSError):
-            os.setpgid(0, 0)  # out of the terminal's foreground group: Ctrl-C skips us
-        with contextlib.suppress(OSError):
-            _prctl(PR_SET_CHILD_SUBREAPER, 1)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.set_blocking(self.wake_w, False)
-        os.set_blocking(self.wake_r, False)
-        signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
-        signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wakeup fd fires
-        self.sel.register(self.cmd, selectors.EVENT_READ)
-        self.sel.register(self.wake_r, selectors.EVENT_READ)
-        self.cmd.setblocking(True)
-        while True:
-            for key, _ in self.sel.select():
-                if key.fileobj is self.cmd:
-                    try:
-                        request = _recv_obj(self.cmd)
-                    except EOFError:  # the supervisor closed us: stop everything
-                        self._kill_group_and_exit(self._shutdown(0.0))
-                    except Exception as exc:  # unpicklable function: answer, keep serving
-                        _send_obj(self.cmd, ("error", f"{type(exc).__name__}: {exc}"))
-                        continue
-                    if request[0] == "stop":
-                        code = self._shutdown(float(request[1]))
-                        with contextlib.suppress(OSError):
-                            _send_obj(self.cmd, ("ok", None))
-                        self._kill_group_and_exit(code)
-                    try:
-                        reply = self._handle(request)
-                    except OSError as exc:  # fork failed (EAGAIN, ENOMEM): the caller decides
-                        reply = ("error", f"fork failed: {exc}")
-                    _send_obj(self.cmd, reply)
-                else:
-                    with contextlib.suppress(BlockingIOError):
-                        os.read(self.wake_r, 4096)
-            self._reap()
-
-    def _handle(self, request: tuple[Any, ...]) -> tuple[str, Any]:
-        kind = request[0]
-        if kind == "spawn":
-            _, func, args, name = request
-            return ("ok", self._fork_function(func, args, name))
-        if kind == "exec":
-            _, argv, env, cwd, name = request
-            return self._fork_exec(argv, env, cwd, name)
-        if kind == "kill":
-            _, pid, sig = request
-            if pid not in self.live:
-                return ("ok", False)
-            try:
-                os.kill(pid, sig)  # unreaped child: its pid cannot have been reused
-            except ProcessLookupError:
-                return ("ok", False)
-            return ("ok", True)
-        return ("error", f"unknown zygote command {kind!r}")
-
-    def _child_setup(self, name: str) -> None:
-        """In a fresh child: drop the zygote's descriptors and handlers, die with it."""
-        die_with_parent(self.my_pid)
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        self.sel.close()
-        for fd in (self.wake_r, self.wake_w):
-            os.close(fd)
-        self.cmd.close()
-        self.notice.close()
-        set_process_name(name)
-
-    def _fork_function(self, func: Callable[..., Any], args: tuple[Any, ...], name: str) -> int:
-        pid = os.fork()
-        if pid:
-            self.live.add(pid)
-            return pid
-        code = 1
-        try:
-            self._child_setup(name)
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor drives shutdown
-            result = func(*args)
-            code = 0 if result is None else int(result)
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        finally:
-            for stream in (sys.stdout, sys.stderr):
-                with contextlib.suppress(Exception):
-                    stream.flush()
-            os._exit(code & 0xFF)
-
-    def _fork_exec(
-        self, argv: list[str], env: dict[str, str] | None, cwd: str | None, name: str
-    ) -> tuple[str, Any]:
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)  # closes by itself on a successful exec
-        pid = os.fork()
-        if pid == 0:
-            try:
-                os.close(err_r)
-                self._child_setup(name)
-                signal.signal(signal.SIGINT, signal.SIG_DFL)
-                if cwd is not None:
-                    os.chdir(cwd)
-                if env is None:
-                    os.execvp(argv[0], argv)
-                else:
-                    os.execvpe(argv[0], argv, env)
-            except BaseException as exc:
-                with contextlib.suppress(OSError):
-                    os.write(err_w, f"{type(exc).__name__}: {exc}".encode()[:1000])
-            finally:
-                os._exit(127)
-        os.close(err_w)
-        chunks = []
-        while chunk := os.read(err_r, 1024):
-            chunks.append(chunk)
-        os.close(err_r)
-        if chunks:  # exec failed: reap the child now and report the reason
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, 0)
-            return ("error", f"cannot exec {argv[0]!r}: {b''.join(chunks).decode()}")
-        self.live.add(pid)
-        return ("ok", pid)
-
-    def _reap(self) -> None:
-        """Collect every dead child; report ours at once (strays from the subreaper too)."""
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            if pid in self.live:  # grandchildren reparented to us are reaped silently
-                self.live.discard(pid)
-                code = os.waitstatus_to_exitcode(status)
-                self.notice.sendall(_EXIT.pack(pid, code))
-
-    def _shutdown(self, grace_s: float) -> int:
-        """SIGTERM every child, SIGKILL what remains after ``grace_s``, report all exits."""
-        for pid in list(self.live):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while self.live and time.monotonic() < deadline:
-            self._reap()
-            if self.live:
-                time.sleep(0.005)
-        for pid in list(self.live):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        while self.live:
-            try:
-                pid, status = os.waitpid(-1, 0)
-            except ChildProcessError:
-                break
-            if pid in self.live:
-                self.live.discard(pid)
-                with contextlib.suppress(OSError):
-                    self.notice.sendall(_EXIT.pack(pid, os.waitstatus_to_exitcode(status)))
-        return 0
-
-    def _kill_group_and_exit(self, code: int) -> None:
-        """Close our sockets, then SIGKILL the group: grandchildren that escaped, and us."""
-        self.notice.close()
-        self.cmd.close()
-        if os.getpgrp() == os.getpid():  # never signal the supervisor's own group
-            with contextlib.suppress(OSError):
-                os.killpg(0, signal.SIGKILL)
-        os._exit(code)

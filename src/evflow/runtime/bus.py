@@ -1,0 +1,248 @@
+"""The control bus: an XPUB/XSUB proxy every process publishes to and subscribes from.
+
+::
+
+    node PUB --connect--> [XSUB  bus-in.ipc]  proxy  [XPUB bus-out.ipc] <--connect-- SUB
+                                               |
+                      validates every message, drops and counts bad bytes
+
+Every message is a wire-protocol message (:mod:`evflow.wire.messages`); its first frame
+is the type byte, so subscribers filter by type (nodes subscribe to COMMAND, the
+controller to REPLY/STATE/METRICS). Headers (msgpack maps):
+
+- COMMAND ``{cmd, to, req, from, ts, args}``: ``to`` is a node id or ``"*"`` (all);
+  ``cmd`` is ``check-state``, ``get-metrics``, ``transition`` (``args.transition``) or
+  ``ping``.
+- REPLY ``{req, cmd, from, to, ok, data | error}``.
+- STATE ``{from, state, previous, ts}`` on every state change.
+- METRICS ``{from, metrics}`` about once a second.
+
+The proxy binds ``ipc://bus-in.ipc`` and ``ipc://bus-out.ipc`` in the session
+directory, so ``evflow ctl`` finds a local bus without being told; pass tcp addresses
+to reach it from other hosts. The proxy answers commands itself as node ``"bus"``.
+Node and controller clients live in :mod:`evflow.runtime.busclient`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from evflow.runtime.busclient import (
+    BUS_IN,
+    BUS_OUT,
+    PROXY_ID,
+    BusClient,
+    BusController,
+    BusEndpoints,
+    find_bus_sessions,
+)
+from evflow.transport.channel import Channel, ChannelConfig, open_channel
+from evflow.transport.paths import session_dir
+from evflow.wire.messages import BadMessageCounter, MsgType, encode_message
+
+__all__ = [
+    "BUS_IN",
+    "BUS_OUT",
+    "PROXY_ID",
+    "BusClient",
+    "BusController",
+    "BusEndpoints",
+    "BusProxy",
+    "find_bus_sessions",
+    "run_bus_proxy",
+]
+
+POLL_MS = 100
+
+
+class BusProxy:
+    """Forward bus traffic between XSUB (publishers) and XPUB (subscribers).
+
+    Runs in the caller's thread (:meth:`run`), in a thread (:meth:`start_thread`) or as
+    its own process (:func:`run_bus_proxy`). Messages that fail wire-protocol decoding
+    are counted in ``bad`` and dropped, so no subscriber ever sees them.
+    """
+
+    def __init__(
+        self,
+        context: zmq.Context[Any],
+        session: str,
+        *,
+        publish_address: str = f"ipc://{BUS_IN}",
+        subscribe_address: str = f"ipc://{BUS_OUT}",
+    ) -> None:
+        self.session = session
+        session_dir(session)
+        self._xsub: Channel = open_channel(
+            context,
+            ChannelConfig(
+                name="bus-in",
+                type="xsub",
+                method="bind",
+                address=publish_address,
+                linger=0,
+                rcvBufSize=10000,
+                sndBufSize=10000,
+            ),
+            session,
+        )
+        try:
+            self._xpub: Channel = open_channel(
+                context,
+                ChannelConfig(
+                    name="bus-out",
+                    type="xpub",
+                    method="bind",
+                    address=subscribe_address,
+                    linger=0,
+                    rcvBufSize=10000,
+                    sndBufSize=10000,
+                ),
+                session,
+            )
+        except BaseException:
+            self._xsub.close(0)
+            raise
+        self.endpoints = BusEndpoints(self._xsub.endpoints[0], self._xpub.endpoints[0])
+        self.bad = BadMessageCounter(f"bus proxy {session}")
+        self.forwarded = 0
+        self.started_s = time.time()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.closed = False
+
+    def __repr__(self) -> str:
+        return f"<BusProxy {self.endpoints} forwarded={self.forwarded} bad={self.bad.total}>"
+
+    def stop(self) -> None:
+        """Ask the loop to end (safe from a signal handler or another thread)."""
+        self._stop.set()
+
+    def run(self) -> None:
+        """Forward until :meth:`stop`; then return (sockets stay open until close())."""
+        poller = zmq.Poller()
+        poller.register(self._xsub.socket, zmq.POLLIN)
+        poller.register(self._xpub.socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            for sock, _ in poller.poll(POLL_MS):
+                if sock is self._xsub.socket:
+                    self._forward_messages()
+                else:
+                    self._forward_subscriptions()
+
+    def _forward_messages(self) -> None:
+        for _ in range(1000):
+            try:
+                frames = self._xsub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg = self.bad.decode(frames)
+            if msg is None:
+                continue
+            self._xpub.send(frames)
+            self.forwarded += 1
+            if msg.type is MsgType.COMMAND:
+                self._answer(msg.header)
+
+    def _forward_subscriptions(self) -> None:
+        for _ in range(1000):
+            try:
+                frames = self._xpub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            first = bytes(frames[0]) if frames else b""
+            if len(frames) != 1 or not first or first[0] not in (0, 1):
+                self.bad.record("bad-subscription", f"{len(frames)} frame(s), {first[:16]!r}")
+                continue
+            self._xsub.send([first])
+
+    def _answer(self, header: dict[Any, Any]) -> None:
+        """Reply to commands addressed to the proxy itself (or to all)."""
+        if header.get("to") not in (PROXY_ID, "*"):
+            return
+        cmd = header.get("cmd")
+        if cmd not in ("check-state", "get-metrics", "ping"):
+            return
+        now = time.time()
+        data: dict[str, Any] = {
+            "node_id": PROXY_ID,
+            "node_state": "RUNNING",
+            "pid": os.getpid(),
+            "request_timestamp": header.get("ts", now),
+            "response_timestamp": now,
+        }
+        if cmd == "get-metrics":
+            data.update(
+                messages_forwarded=self.forwarded,
+                bad_messages=self.bad.total,
+                bad_message_kinds=dict(self.bad.counts),
+                uptime_s=round(now - self.started_s, 3),
+                endpoints=str(self.endpoints),
+            )
+        reply = {
+            "req": header.get("req"),
+            "cmd": cmd,
+            "from": PROXY_ID,
+            "to": header.get("from"),
+            "ok": True,
+            "data": data,
+        }
+        self._xpub.send(encode_message(MsgType.REPLY, reply))
+
+    def start_thread(self) -> threading.Thread:
+        """Run the proxy in a daemon thread; :meth:`close` stops and joins it."""
+        self._thread = threading.Thread(target=self.run, name="evflow-bus-proxy", daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def close(self) -> None:
+        """Stop the loop, close both sockets and remove the ipc files."""
+        if self.closed:
+            return
+        self.stop()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.closed = True
+        self._xsub.close(0)
+        self._xpub.close(0)
+
+    def __enter__(self) -> BusProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def run_bus_proxy(
+    session: str,
+    publish_address: str = f"ipc://{BUS_IN}",
+    subscribe_address: str = f"ipc://{BUS_OUT}",
+) -> int:
+    """Process entry point (e.g. ``zygote.spawn(run_bus_proxy, session)``).
+
+    Runs until SIGTERM or SIGINT, then closes its sockets and removes its ipc files.
+    """
+    context: zmq.Context[Any] = zmq.Context()
+    try:
+        proxy = BusProxy(
+            context, session, publish_address=publish_address, subscribe_address=subscribe_address
+        )
+    except BaseException:
+        context.term()
+        raise
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: proxy.stop())
+    try:
+        proxy.run()
+    finally:
+        proxy.close()
+        with contextlib.suppress(zmq.ZMQError):
+            context.term()
+    return 0

@@ -1,0 +1,455 @@
+"""Control-bus clients: :class:`BusClient` (a node that answers) and :class:`BusController`.
+
+A **node** (device, worker, input, output) owns one ``BusClient``. It publishes its state
+changes and, about once a second, its metrics, and answers commands addressed to its
+id or to ``"*"``. No thread: the node's loop calls :meth:`BusClient.tick` (or puts
+``client.socket`` in its poller and calls :meth:`BusClient.poll` when it is readable).
+A :class:`~evflow.runtime.device.Device` plugs one in with ``device.attach_bus(client)``.
+
+A **controller** (``evflow ctl``, the supervisor) owns a ``BusController``: it sends a
+command and collects the replies; a node that does not answer within the timeout is
+one clear :class:`~evflow.errors.TimeoutError_`, never a hang.
+
+Message layouts are described in :mod:`evflow.runtime.bus`.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from evflow.errors import ConfigurationError, EvflowError, PeerLostError, TimeoutError_
+from evflow.runtime.metrics import ProcessMetrics
+from evflow.transport.channel import Channel, ChannelConfig, open_channel
+from evflow.transport.paths import runtime_base_dir
+from evflow.wire.messages import BadMessageCounter, MsgType, encode_message
+
+#: ipc file names of a session's bus (relative: placed in the session directory)
+BUS_IN = "bus-in.ipc"
+BUS_OUT = "bus-out.ipc"
+#: the proxy's node id on the bus
+PROXY_ID = "bus"
+#: commands every node answers
+COMMANDS = ("check-state", "get-metrics", "transition", "ping")
+
+_TYPE = {t: bytes([int(t)]) for t in MsgType}
+
+
+@dataclass(frozen=True)
+class BusEndpoints:
+    """Where clients connect: ``publish`` (the proxy's XSUB) and ``subscribe`` (XPUB)."""
+
+    publish: str
+    subscribe: str
+
+    def __str__(self) -> str:
+        return f"{self.publish},{self.subscribe}"
+
+    @classmethod
+    def parse(cls, text: str) -> BusEndpoints:
+        """``"IN,OUT"`` or ``"IN;OUT"`` (publish endpoint, subscribe endpoint)."""
+        parts = [p.strip() for p in text.replace(";", ",").split(",")]
+        if len(parts) != 2 or not all(parts):
+            raise ConfigurationError(
+                f"invalid bus address {text!r}: expected 'PUBLISH_ENDPOINT,SUBSCRIBE_ENDPOINT' "
+                "(the proxy's XSUB and XPUB), e.g. tcp://host:5555,tcp://host:5556"
+            )
+        for p in parts:
+            if not p.startswith(("tcp://", "ipc://")):
+                raise ConfigurationError(f"invalid bus endpoint {p!r} (expected tcp:// or ipc://)")
+        return cls(parts[0], parts[1])
+
+    @classmethod
+    def for_session(cls, session: str) -> BusEndpoints:
+        """The local ipc endpoints of ``session``'s bus."""
+        base = runtime_base_dir() / session
+        return cls(f"ipc://{base / BUS_IN}", f"ipc://{base / BUS_OUT}")
+
+
+def find_bus_sessions() -> list[str]:
+    """Sessions under the runtime base directory that have a bus (oldest first)."""
+    base = runtime_base_dir()
+    if not base.is_dir():
+        return []
+    found = [d for d in base.iterdir() if (d / BUS_IN).exists() and (d / BUS_OUT).exists()]
+    found.sort(key=lambda d: d.stat().st_mtime)
+    return [d.name for d in found]
+
+
+def _open_pair(
+    context: zmq.Context[Any], endpoints: BusEndpoints, label: str, topics: tuple[MsgType, ...]
+) -> tuple[Channel, Channel]:
+    pub = open_channel(
+        context,
+        ChannelConfig(
+            name=f"{label}-pub", type="pub", method="connect", address=endpoints.publish, linger=200
+        ),
+        "bus",
+    )
+    try:
+        sub = open_channel(
+            context,
+            ChannelConfig(
+                name=f"{label}-sub",
+                type="sub",
+                method="connect",
+                address=endpoints.subscribe,
+                linger=0,
+            ),
+            "bus",
+        )
+    except BaseException:
+        pub.close(0)
+        raise
+    sub.socket.setsockopt(zmq.UNSUBSCRIBE, b"")
+    for topic in topics:
+        sub.socket.setsockopt(zmq.SUBSCRIBE, _TYPE[topic])
+    return pub, sub
+
+
+class BusClient:
+    """A node on the bus: publishes state and metrics, answers commands.
+
+    ``state`` returns the node's state name and ``on_transition(name)`` handles a
+    ``transition`` command (raise to refuse) when no device is passed to the methods;
+    with a :class:`~evflow.runtime.device.Device` (``node``) they use its state machine.
+    The methods ``publish_state(node, old, new)``, ``publish_metrics(node)`` and
+    ``poll(node)`` are the interface ``Device.attach_bus`` expects.
+    """
+
+    def __init__(
+        self,
+        context: zmq.Context[Any],
+        node_id: str,
+        endpoints: BusEndpoints | str,
+        *,
+        metrics: ProcessMetrics | None = None,
+        state: Callable[[], str] | None = None,
+        on_transition: Callable[[str], Any] | None = None,
+        metrics_interval_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if isinstance(endpoints, str):
+            endpoints = BusEndpoints.parse(endpoints)
+        self.node_id = node_id
+        self.endpoints = endpoints
+        self.metrics = metrics if metrics is not None else ProcessMetrics(node_id)
+        self._state_fn = state
+        self._on_transition = on_transition
+        self.metrics_interval_s = metrics_interval_s
+        self._clock = clock
+        self._next_metrics_s = 0.0
+        self._pub, self._sub = _open_pair(context, endpoints, "bus", (MsgType.COMMAND,))
+        self.bad = BadMessageCounter(f"bus client {node_id}")
+        self._handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+        # replies by request id: a re-sent command is answered again, never re-executed
+        self._answered: collections.OrderedDict[str, list[Any]] = collections.OrderedDict()
+        self.commands_handled = 0
+        self.closed = False
+
+    def __repr__(self) -> str:
+        return f"<BusClient {self.node_id!r} handled={self.commands_handled} bad={self.bad.total}>"
+
+    @property
+    def socket(self) -> zmq.Socket[Any]:
+        """The SUB socket; readable when a command may be pending (for a zmq.Poller)."""
+        return self._sub.socket
+
+    def handle(self, command: str, handler: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+        """Answer ``command`` with ``handler(args) -> data`` (raise EvflowError to refuse)."""
+        self._handlers[command] = handler
+
+    # --- publishing ----------------------------------------------------------------
+    def _state(self, node: Any) -> str:
+        if node is not None and hasattr(node, "fsm"):
+            return str(node.fsm.state)
+        return self._state_fn() if self._state_fn is not None else "RUNNING"
+
+    def publish_state(self, node: Any = None, old: Any = None, new: Any = None) -> None:
+        """Announce a state change (``new``, or the node's current state)."""
+        header = {
+            "from": self.node_id,
+            "state": str(new) if new is not None else self._state(node),
+            "previous": None if old is None else str(old),
+            "ts": time.time(),
+        }
+        self._send(MsgType.STATE, header)
+
+    def snapshot(self, node: Any = None, request_timestamp: float | None = None) -> dict[str, Any]:
+        """Metrics of this node (ALICE QC fields; see :mod:`evflow.runtime.metrics`)."""
+        extra: dict[str, Any] = {}
+        if node is not None and hasattr(node, "channels"):
+            self.metrics.channels = [ch for subs in node.channels.values() for ch in subs]
+        if node is not None and hasattr(node, "metrics"):
+            extra = dict(node.metrics())
+            extra.pop("pid", None)
+        extra["bus_bad_messages"] = self.bad.total
+        snap = self.metrics.snapshot(self._state(node), request_timestamp, extra)
+        snap["node_id"] = self.node_id
+        return snap
+
+    def publish_metrics(self, node: Any = None) -> None:
+        """Publish a metrics snapshot now (rates over the interval since the last one)."""
+        self.metrics.update_rates()
+        self._send(MsgType.METRICS, {"from": self.node_id, "metrics": self.snapshot(node)})
+
+    def tick(self, node: Any = None, now_s: float | None = None) -> int:
+        """Call from the node's loop: metrics every ``metrics_interval_s``, then commands."""
+        now_s = self._clock() if now_s is None else now_s
+        if now_s >= self._next_metrics_s:
+            self._next_metrics_s = now_s + self.metrics_interval_s
+            self.publish_metrics(node)
+        return self.poll(node)
+
+    def _send(self, mtype: MsgType, header: dict[str, Any]) -> None:
+        if self.closed:
+            return
+        # bus congested: state/metrics are best effort, the next one follows
+        with contextlib.suppress(zmq.Again):
+            self._pub.send(encode_message(mtype, header), zmq.NOBLOCK)
+
+    # --- commands ------------------------------------------------------------------
+    def poll(self, node: Any = None) -> int:
+        """Answer every pending command; returns how many were for us. Never blocks."""
+        handled = 0
+        while not self.closed:
+            try:
+                frames = self._sub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            msg = self.bad.decode(frames)
+            if msg is None or msg.type is not MsgType.COMMAND:
+                continue
+            header = msg.header
+            if header.get("to") not in (self.node_id, "*"):
+                continue
+            req = str(header.get("req", ""))
+            if req and req in self._answered:
+                self._pub.send(self._answered[req])
+                continue
+            reply = encode_message(MsgType.REPLY, self._answer(node, header))
+            if req:
+                self._answered[req] = reply
+                while len(self._answered) > 64:
+                    self._answered.popitem(last=False)
+            self._pub.send(reply)
+            handled += 1
+        self.commands_handled += handled
+        return handled
+
+    def _answer(self, node: Any, header: dict[Any, Any]) -> dict[str, Any]:
+        cmd = header.get("cmd")
+        args = header.get("args") or {}
+        reply: dict[str, Any] = {
+            "req": header.get("req"),
+            "cmd": cmd,
+            "from": self.node_id,
+            "to": header.get("from"),
+        }
+        try:
+            if not isinstance(args, dict):
+                raise ConfigurationError(f"command args must be a map, got {type(args).__name__}")
+            data = self._dispatch(node, str(cmd), args, header.get("ts"))
+        except EvflowError as exc:
+            return {**reply, "ok": False, "error": str(exc)}
+        except Exception as exc:  # a bad handler must not kill the node's loop
+            return {**reply, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        return {**reply, "ok": True, "data": data}
+
+    def _dispatch(self, node: Any, cmd: str, args: dict[str, Any], ts: Any) -> dict[str, Any]:
+        request_ts = float(ts) if isinstance(ts, int | float) else None
+        if cmd in self._handlers:
+            return self._handlers[cmd](args)
+        if cmd in ("check-state", "ping"):
+            now = time.time()
+            return {
+                "node_id": self.node_id,
+                "node_state": self._state(node),
+                "pid": os.getpid(),
+                "request_timestamp": now if request_ts is None else request_ts,
+                "response_timestamp": now,
+            }
+        if cmd == "get-metrics":
+            return self.snapshot(node, request_ts)
+        if cmd == "transition":
+            return self._transition(node, str(args.get("transition", "")))
+        raise ConfigurationError(
+            f"unknown command {cmd!r}; expected one of "
+            f"{', '.join(COMMANDS + tuple(self._handlers))}"
+        )
+
+    def _transition(self, node: Any, name: str) -> dict[str, Any]:
+        before = self._state(node)
+        if node is not None and hasattr(node, "request"):
+            from evflow.errors import StateTransitionError
+            from evflow.runtime.states import State, Transition, next_state, parse_transition
+
+            transition = parse_transition(name)
+            state = node.fsm.state
+            if transition is not Transition.END and next_state(state, transition) is None:
+                raise StateTransitionError(
+                    f"{self.node_id}: no transition from {state} on {transition}"
+                )
+            if transition is Transition.END and state is State.EXITING:
+                raise StateTransitionError(f"{self.node_id}: already {state}")
+            node.request(transition)
+        elif self._on_transition is not None:
+            self._on_transition(name)
+        else:
+            raise ConfigurationError(f"node {self.node_id!r} does not take transitions")
+        return {
+            "node_id": self.node_id,
+            "transition": name.upper(),
+            "previous_state": before,
+            "accepted": True,
+        }
+
+    def close(self) -> None:
+        """Close both sockets (pending state messages get ``linger`` 200 ms to leave)."""
+        if self.closed:
+            return
+        self.closed = True
+        self._sub.close(0)
+        self._pub.close()
+
+
+class BusController:
+    """Sends commands on the bus and collects replies (``evflow ctl``, the supervisor)."""
+
+    def __init__(
+        self, context: zmq.Context[Any], endpoints: BusEndpoints | str, *, name: str = ""
+    ) -> None:
+        if isinstance(endpoints, str):
+            endpoints = BusEndpoints.parse(endpoints)
+        self.endpoints = endpoints
+        self.name = name or f"ctl-{os.getpid()}-{id(self) % 100000}"
+        topics = (MsgType.COMMAND, MsgType.REPLY, MsgType.STATE, MsgType.METRICS)
+        self._pub, self._sub = _open_pair(context, endpoints, "ctl", topics)
+        self._seq = itertools.count(1)
+        self._connected = False
+        self.bad = BadMessageCounter(f"bus controller {self.name}")
+        #: node ids seen on the bus (replies, states, metrics) -> last state
+        self.seen: dict[str, str] = {}
+
+    def __repr__(self) -> str:
+        return f"<BusController {self.name!r} {self.endpoints}>"
+
+    def _recv(self, timeout_s: float) -> Any:
+        if not self._sub.poll(max(0, int(timeout_s * 1000))):
+            return None
+        msg = self.bad.decode(self._sub.recv())
+        if msg is None:
+            return None
+        sender = msg.header.get("from")
+        if isinstance(sender, str):
+            if msg.type is MsgType.STATE:
+                self.seen[sender] = str(msg.header.get("state"))
+            elif msg.type is MsgType.METRICS:
+                state = (msg.header.get("metrics") or {}).get("node_state")
+                self.seen[sender] = str(state) if state is not None else self.seen.get(sender, "")
+            elif msg.type is MsgType.REPLY:
+                self.seen.setdefault(sender, "")
+        return msg
+
+    def connect(self, timeout_s: float = 2.0) -> None:
+        """Wait until our own message comes back through the proxy (both paths work)."""
+        if self._connected:
+            return
+        deadline = time.monotonic() + timeout_s
+        req = f"{self.name}-ping"
+        while time.monotonic() < deadline:
+            self._pub.send(
+                encode_message(
+                    MsgType.COMMAND, {"cmd": "ping", "to": self.name, "req": req, "from": self.name}
+                )
+            )
+            until = min(deadline, time.monotonic() + 0.05)
+            while (left := until - time.monotonic()) > 0:
+                msg = self._recv(left)
+                if msg is not None and msg.type is MsgType.COMMAND and msg.header.get("req") == req:
+                    self._connected = True
+                    return
+        raise PeerLostError(
+            f"the control bus at {self.endpoints} does not answer within {timeout_s} s "
+            "(is the proxy running? see `evflow up` / the supervisor)"
+        )
+
+    def request(
+        self,
+        cmd: str,
+        to: str = "*",
+        args: dict[str, Any] | None = None,
+        *,
+        timeout_s: float = 2.0,
+        resend_s: float = 0.5,
+        abort: Callable[[], bool] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Send ``cmd`` and return the reply headers.
+
+        ``to`` a node id: returns as soon as it answered (the command is re-sent every
+        ``resend_s``; nodes answer a repeated request id from a cache, never twice);
+        raises TimeoutError_ naming the node and the nodes seen if none answered.
+        ``to="*"``: collects every reply that arrives within ``timeout_s``.
+        ``abort()`` is checked every 0.1 s; when True the call returns what it has.
+        """
+        self.connect(timeout_s)
+        req = f"{self.name}-{next(self._seq)}"
+        header = {
+            "cmd": cmd,
+            "to": to,
+            "req": req,
+            "from": self.name,
+            "ts": time.time(),
+            "args": args or {},
+        }
+        frames = encode_message(MsgType.COMMAND, header)
+        replies: dict[str, dict[str, Any]] = {}
+        deadline = time.monotonic() + timeout_s
+        next_send = 0.0
+        while (now := time.monotonic()) < deadline:
+            if now >= next_send and (to == "*" or not replies):
+                self._pub.send(frames)
+                next_send = now + resend_s
+            if abort is not None and abort():
+                return list(replies.values())
+            wait_s = min(deadline, next_send) - now
+            msg = self._recv(wait_s if abort is None else min(wait_s, 0.1))
+            if msg is None or msg.type is not MsgType.REPLY or msg.header.get("req") != req:
+                continue
+            sender = str(msg.header.get("from"))
+            if to != "*":
+                return [dict(msg.header)]
+            replies.setdefault(sender, dict(msg.header))  # the first answer; repeats are echoes
+        if to != "*":
+            seen = ", ".join(sorted(self.seen)) or "none"
+            raise TimeoutError_(
+                f"no node {to!r} answered {cmd!r} within {timeout_s} s "
+                f"(nodes seen on the bus: {seen}; is the id right?)"
+            )
+        return [replies[k] for k in sorted(replies)]
+
+    def wait_state(self, node_id: str, states: set[str], timeout_s: float) -> str | None:
+        """Ask ``node_id`` for its state until it is in ``states``; None on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                reply = self.request("check-state", node_id, timeout_s=min(left, 1.5))[0]
+            except TimeoutError_:
+                continue
+            state = str((reply.get("data") or {}).get("node_state"))
+            if state in states:
+                return state
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        return None
+
+    def close(self) -> None:
+        self._sub.close(0)
+        self._pub.close(0)

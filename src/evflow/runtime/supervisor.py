@@ -1,0 +1,522 @@
+"""The supervisor: starts a set of processes, reaps them, restarts, relays signals, cleans up.
+
+Every process is a child of one :class:`~evflow.runtime.zygote.Zygote` (a forked
+function or an exec'd command such as ``evflow device ...``), so every death is noticed
+at once through ``zygote.fileno()``, and every child dies with the supervisor.
+
+- **Restart policy** per process: ``never`` or ``on-failure`` (a non-zero exit or a
+  signal) with ``max_restarts`` and exponential backoff (``backoff_s * 2**n``, capped at
+  ``backoff_max_s``). Past the limit the process is reported *failed* with a message
+  naming it, its last exit and the limit. The clock is injectable (tests).
+- **Orderly shutdown** (first SIGINT/SIGTERM, or :meth:`Supervisor.shutdown`): groups in
+  ``stop_order`` (default: the order of :meth:`~Supervisor.add`), one group after the
+  other. A device (``device_id`` set, bus on) is walked down FairMQ's sequence over the
+  bus (RUNNING -> STOP -> RESET_TASK -> RESET_DEVICE -> END); a plain process gets
+  SIGTERM. Whatever is still alive after ``grace_s`` gets SIGKILL. A second SIGINT
+  SIGKILLs everything at once. The bus proxy (if any) stops last.
+- **Events**: :meth:`~Supervisor.on_exit` callbacks and :meth:`~Supervisor.poll` return
+  an :class:`ExitEvent` for each death, as soon as it happens.
+- **Cleanup**: :meth:`~Supervisor.close` removes the session's ipc directory and its
+  shared-memory segments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import selectors
+import shutil
+import signal
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from evflow.errors import ConfigurationError, EvflowError, TimeoutError_
+from evflow.runtime.zygote import Zygote
+from evflow.transport.paths import SHM_PREFIX, runtime_base_dir
+
+log = logging.getLogger("evflow.supervisor")
+
+RESTART_POLICIES = ("never", "on-failure")
+#: the bus proxy's process name; it stops after every other process
+BUS_PROCESS = "bus"
+
+
+def describe_exit(returncode: int) -> str:
+    """``exited with code 3`` / ``was killed by SIGKILL``."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name}"
+    return f"exited with code {returncode}"
+
+
+@dataclass
+class ProcessSpec:
+    """What to run and how to treat its death. Give ``target`` or ``argv``, not both.
+
+    ``target``: a module-level function run in a fork of the zygote (``args`` picklable).
+    ``argv``: a command exec'd from a fork of the zygote (``env``/``cwd`` optional).
+    ``device_id``: the process is a device on the control bus (orderly bus shutdown).
+    ``stop_order``: groups stop in ascending order (None: the order of ``add``).
+    """
+
+    name: str
+    target: Callable[..., int | None] | None = None
+    args: tuple[Any, ...] = ()
+    argv: Sequence[str] | None = None
+    env: dict[str, str] | None = None
+    cwd: str | None = None
+    restart: str = "never"
+    max_restarts: int = 3
+    backoff_s: float = 0.1
+    backoff_max_s: float = 10.0
+    device_id: str | None = None
+    stop_order: int | None = None
+    grace_s: float = 3.0
+
+    def __post_init__(self) -> None:
+        if (self.target is None) == (self.argv is None):
+            raise ConfigurationError(f"process {self.name!r}: give exactly one of target or argv")
+        if self.restart not in RESTART_POLICIES:
+            raise ConfigurationError(
+                f"process {self.name!r}: unknown restart policy {self.restart!r}; "
+                f"expected one of {', '.join(RESTART_POLICIES)}"
+            )
+        if self.max_restarts < 0 or self.backoff_s < 0 or self.grace_s < 0:
+            raise ConfigurationError(
+                f"process {self.name!r}: max_restarts, backoff_s and grace_s must be >= 0"
+            )
+
+    def backoff_for(self, restarts_done: int) -> float:
+        """Delay before restart number ``restarts_done + 1`` (seconds)."""
+        return min(self.backoff_max_s, self.backoff_s * (2.0**restarts_done))
+
+
+@dataclass
+class ManagedProcess:
+    """A process under supervision. ``state``: running, backoff, done, failed, stopped."""
+
+    spec: ProcessSpec
+    order: int
+    pid: int | None = None
+    state: str = "new"
+    restarts: int = 0
+    returncode: int | None = None
+    restart_at_s: float | None = None
+    started_at_s: float = 0.0
+    pids: list[int] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def alive(self) -> bool:
+        return self.state == "running"
+
+
+@dataclass(frozen=True)
+class ExitEvent:
+    """One death. ``outcome``: restarting, done (exit 0), failed, stopped (by shutdown)."""
+
+    name: str
+    pid: int
+    returncode: int
+    outcome: str
+    restarts: int
+    message: str
+    at_s: float
+
+
+class Supervisor:
+    """Per-host process manager. See the module docstring.
+
+    Call :meth:`start` before creating any zmq context in this process (it forks the
+    zygote); ``bus=True`` also starts a bus proxy process for the session.
+    """
+
+    def __init__(
+        self,
+        session: str | None = None,
+        *,
+        zygote: Zygote | None = None,
+        bus: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.session = session or f"s{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.zygote = zygote if zygote is not None else Zygote()
+        self.clock = clock
+        self.processes: dict[str, ManagedProcess] = {}
+        self._by_pid: dict[int, ManagedProcess] = {}
+        self._callbacks: list[Callable[[ExitEvent], None]] = []
+        self._started = False
+        self._stopping = False
+        self._fast = False
+        self._signals = 0
+        self._stopping_requested = False
+        self._want_bus = bus
+        self._context: Any = None
+        self._controller: Any = None
+        self.failed: list[ExitEvent] = []
+
+    def __repr__(self) -> str:
+        alive = sum(p.alive for p in self.processes.values())
+        return f"<Supervisor {self.session} processes={len(self.processes)} alive={alive}>"
+
+    # --- lifecycle -----------------------------------------------------------------
+    def start(self) -> Supervisor:
+        """Fork the zygote (if not yet running), start the bus and every added process."""
+        if self._started:
+            return self
+        if self.zygote.pid is None:
+            self.zygote.start()
+        self._started = True
+        if self._want_bus:
+            from evflow.runtime.bus import run_bus_proxy
+
+            self.add(
+                ProcessSpec(
+                    BUS_PROCESS,
+                    target=run_bus_proxy,
+                    args=(self.session,),
+                    restart="on-failure",
+                    max_restarts=5,
+                    stop_order=1 << 30,
+                    grace_s=2.0,
+                )
+            )
+        for proc in sorted(self.processes.values(), key=lambda p: p.order):
+            if proc.state == "new":
+                self._launch(proc)
+        return self
+
+    @property
+    def bus_endpoints(self) -> Any:
+        """The session bus's endpoints (a ``BusEndpoints``), for ``--bus`` of devices."""
+        from evflow.runtime.bus import BusEndpoints
+
+        return BusEndpoints.for_session(self.session)
+
+    def add(self, spec: ProcessSpec) -> ManagedProcess:
+        """Register ``spec``; started at once if the supervisor runs."""
+        if spec.name in self.processes:
+            raise ConfigurationError(f"a process named {spec.name!r} is already supervised")
+        proc = ManagedProcess(spec, order=len(self.processes))
+        self.processes[spec.name] = proc
+        if self._started and not self._stopping:
+            self._launch(proc)
+        return proc
+
+    def add_function(
+        self, name: str, target: Callable[..., int | None], *args: Any, **policy: Any
+    ) -> ManagedProcess:
+        """``add(ProcessSpec(name, target=target, args=args, **policy))``."""
+        return self.add(ProcessSpec(name, target=target, args=args, **policy))
+
+    def add_command(self, name: str, argv: Sequence[str], **policy: Any) -> ManagedProcess:
+        """``add(ProcessSpec(name, argv=argv, **policy))``."""
+        return self.add(ProcessSpec(name, argv=list(argv), **policy))
+
+    def _launch(self, proc: ManagedProcess) -> None:
+        spec = proc.spec
+        if spec.target is not None:
+            pid = self.zygote.spawn(spec.target, *spec.args, name=spec.name)
+        else:
+            assert spec.argv is not None
+            pid = self.zygote.spawn_exec(spec.argv, env=spec.env, cwd=spec.cwd, name=spec.name)
+        proc.pid, proc.state, proc.returncode = pid, "running", None
+        proc.restart_at_s = None
+        proc.started_at_s = self.clock()
+        proc.pids.append(pid)
+        self._by_pid[pid] = proc
+
+    # --- events --------------------------------------------------------------------
+    def on_exit(self, callback: Callable[[ExitEvent], None]) -> None:
+        """Call ``callback(event)`` for every death, from :meth:`poll` (same thread)."""
+        self._callbacks.append(callback)
+
+    def fileno(self) -> int:
+        """Readable when a child died: put it in your zmq.Poller, then call :meth:`poll`."""
+        return self.zygote.fileno()
+
+    def next_restart_in_s(self) -> float | None:
+        """Seconds until the next scheduled restart (by ``clock``), None if none."""
+        due = [p.restart_at_s for p in self.processes.values() if p.restart_at_s is not None]
+        return max(0.0, min(due) - self.clock()) if due else None
+
+    def poll(self, timeout_s: float = 0.0) -> list[ExitEvent]:
+        """Wait up to ``timeout_s`` for deaths; handle them and start due restarts."""
+        wait_s = timeout_s
+        restart_in = self.next_restart_in_s()
+        if restart_in is not None:
+            wait_s = min(wait_s, restart_in)
+        if wait_s > 0:
+            with selectors.DefaultSelector() as sel:
+                sel.register(self.zygote.fileno(), selectors.EVENT_READ)
+                sel.select(wait_s)
+        events = [self._handle_exit(pid, rc) for pid, rc in self.zygote.exits()]
+        events = [e for e in events if e is not None]
+        now = self.clock()
+        for proc in sorted(self.processes.values(), key=lambda p: p.order):
+            if proc.state == "backoff" and proc.restart_at_s is not None:
+                if self._stopping:
+                    proc.state, proc.restart_at_s = "stopped", None
+                elif now >= proc.restart_at_s:
+                    proc.restarts += 1
+                    log.info(
+                        "restarting %s (restart %d of %d)",
+                        proc.name,
+                        proc.restarts,
+                        proc.spec.max_restarts,
+                    )
+                    try:
+                        self._launch(proc)
+                    except EvflowError as exc:
+                        events.append(self._fail(proc, proc.pid or 0, -1, f"restart failed: {exc}"))
+        for event in events:
+            for callback in self._callbacks:
+                callback(event)
+        return events
+
+    def _handle_exit(self, pid: int, returncode: int) -> ExitEvent | None:
+        proc = self._by_pid.pop(pid, None)
+        if proc is None:
+            return None
+        proc.returncode = returncode
+        spec = proc.spec
+        what = f"process {proc.name!r} (pid {pid}) {describe_exit(returncode)}"
+        now = self.clock()
+        if self._stopping:
+            proc.state = "stopped"
+            return ExitEvent(proc.name, pid, returncode, "stopped", proc.restarts, what, now)
+        if returncode == 0:
+            proc.state = "done"
+            return ExitEvent(proc.name, pid, 0, "done", proc.restarts, what, now)
+        if spec.restart == "never":
+            return self._fail(proc, pid, returncode, f"{what}; restart policy is 'never'")
+        if proc.restarts >= spec.max_restarts:
+            return self._fail(
+                proc,
+                pid,
+                returncode,
+                f"{what}; it was restarted {proc.restarts} time(s), the limit "
+                f"(max_restarts={spec.max_restarts}); giving up",
+            )
+        delay = spec.backoff_for(proc.restarts)
+        proc.state, proc.restart_at_s = "backoff", now + delay
+        message = f"{what}; restarting in {delay:.3g} s"
+        log.warning("%s", message)
+        return ExitEvent(proc.name, pid, returncode, "restarting", proc.restarts, message, now)
+
+    def _fail(self, proc: ManagedProcess, pid: int, returncode: int, message: str) -> ExitEvent:
+        proc.state, proc.restart_at_s = "failed", None
+        event = ExitEvent(
+            proc.name, pid, returncode, "failed", proc.restarts, f"{message} (failed)", self.clock()
+        )
+        self.failed.append(event)
+        log.error("%s", event.message)
+        return event
+
+    def kill(self, target: str | int, sig: int = signal.SIGKILL) -> bool:
+        """Send ``sig`` to a process by name or pid (e.g. on a per-event timeout).
+
+        Race-free: a child that was already reaped is not signalled (returns False).
+        """
+        if isinstance(target, str):
+            proc = self.processes.get(target)
+            if proc is None:
+                raise ConfigurationError(f"no supervised process named {target!r}")
+            if proc.pid is None or not proc.alive:
+                return False
+            target = proc.pid
+        return self.zygote.kill(int(target), sig)
+
+    @property
+    def active(self) -> bool:
+        """True while a process (other than the bus proxy) runs or waits for its restart."""
+        return any(
+            p.state in ("running", "backoff")
+            for p in self.processes.values()
+            if p.name != BUS_PROCESS
+        )
+
+    # --- running and shutting down -------------------------------------------------
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._signals += 1
+        if self._signals > 1:
+            self._fast = True  # the second signal: no more waiting
+        self._stopping_requested = True
+
+    def run(self, install_signals: bool = True, poll_s: float = 0.1) -> int:
+        """Supervise until every process ended; shut down on SIGINT/SIGTERM.
+
+        Returns 0, or 1 if a process failed (its message was logged). Main thread only
+        when ``install_signals``.
+        """
+        self._stopping_requested = False
+        previous: dict[int, Any] = {}
+        if install_signals:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                previous[sig] = signal.signal(sig, self._on_signal)
+        try:
+            self.start()
+            while self.active and not self._stopping_requested:
+                self.poll(poll_s)
+            if self._stopping_requested:
+                self.shutdown()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self.close()
+        return 1 if self.failed else 0
+
+    def shutdown(self, fast: bool = False) -> None:
+        """Stop everything: group by group in ``stop_order`` (see the module docstring)."""
+        self._stopping = True
+        self._fast = self._fast or fast
+        self.poll(0)
+        groups: dict[int, list[ManagedProcess]] = {}
+        for proc in self.processes.values():
+            key = proc.spec.stop_order if proc.spec.stop_order is not None else proc.order
+            groups.setdefault(key, []).append(proc)
+        for key in sorted(groups):
+            self._stop_group(groups[key])
+
+    def _stop_group(self, group: list[ManagedProcess]) -> None:
+        """SIGTERM plain processes, walk devices down over the bus, SIGKILL the rest."""
+        alive = [p for p in group if p.alive]
+        if not alive:
+            return
+        if not self._fast:
+            devices = [p for p in alive if p.spec.device_id and self._want_bus]
+            for proc in alive:
+                if proc not in devices and proc.pid is not None:
+                    log.info("stopping %s (pid %d): SIGTERM", proc.name, proc.pid)
+                    self.zygote.kill(proc.pid, signal.SIGTERM)
+            for proc in devices:  # one after the other, each within its own grace
+                self._stop_device(proc, time.monotonic() + proc.spec.grace_s)
+            deadline = time.monotonic() + max(p.spec.grace_s for p in alive)
+            self._wait(alive, deadline)
+            late = [p for p in devices if p.alive and p.pid is not None]
+            for proc in late:  # did not finish over the bus: the runner's own SIGTERM path
+                log.warning("device %s did not stop over the bus: SIGTERM", proc.name)
+                self.zygote.kill(proc.pid, signal.SIGTERM)  # type: ignore[arg-type]
+            if late:
+                self._wait(late, time.monotonic() + 1.0)
+        for proc in alive:
+            if proc.alive and proc.pid is not None:
+                how = log.info if self._fast else log.warning
+                how("%s (pid %d) still alive: SIGKILL", proc.name, proc.pid)
+                self.zygote.kill(proc.pid, signal.SIGKILL)
+        self._wait(alive, time.monotonic() + 5.0, stop_on_fast=False)
+
+    def _wait(
+        self, procs: list[ManagedProcess], deadline_s: float, stop_on_fast: bool = True
+    ) -> None:
+        while any(p.alive for p in procs) and time.monotonic() < deadline_s:
+            if stop_on_fast and self._fast:
+                return
+            self.poll(0.05)
+
+    def _stop_device(self, proc: ManagedProcess, deadline_s: float) -> None:
+        """Walk a device down FairMQ's shutdown sequence over the bus.
+
+        Each round asks for the state and requests the shutdown step of that state
+        (RUNNING: STOP, READY: RESET_TASK, DEVICE_READY: RESET_DEVICE, IDLE: END); a
+        device busy in a hook answers late, so timeouts only end the walk at the deadline.
+        """
+        from evflow.runtime.states import SHUTDOWN_STEP, State
+
+        controller = self._bus_controller()
+        device_id = str(proc.spec.device_id)
+        requested: set[tuple[str, str]] = set()
+
+        def gone() -> bool:  # notice its exit while we wait for an answer
+            self.poll(0)
+            return not proc.alive or self._fast
+
+        while not self._fast and (left := deadline_s - time.monotonic()) > 0:
+            self.poll(0)
+            if not proc.alive:
+                return
+            try:
+                replies = controller.request(
+                    "check-state", device_id, timeout_s=min(1.2, left), abort=gone
+                )
+                if not replies:
+                    continue  # aborted: it exited (checked above) or a fast stop
+                state = State((replies[0].get("data") or {}).get("node_state"))
+            except TimeoutError_:
+                continue
+            except (EvflowError, ValueError) as exc:
+                log.warning("device %s: no state over the bus (%s)", device_id, exc)
+                return
+            step = SHUTDOWN_STEP.get(state)
+            if step is None or (state.name, step.name) in requested:
+                self.poll(0.05)
+                continue
+            log.info("stopping device %s: %s -> %s", device_id, state, step)
+            requested.add((state.name, step.name))
+            try:
+                controller.request(
+                    "transition",
+                    device_id,
+                    {"transition": step.name},
+                    timeout_s=max(0.1, min(1.2, deadline_s - time.monotonic())),
+                    abort=gone,
+                )
+            except TimeoutError_:
+                continue
+            if step.name == "END":
+                return  # the device exits by itself now; the caller waits for it
+
+    def _bus_controller(self) -> Any:
+        if self._controller is None:
+            import zmq
+
+            from evflow.runtime.bus import BusController
+
+            self._context = zmq.Context()
+            self._controller = BusController(
+                self._context, self.bus_endpoints, name=f"supervisor-{os.getpid()}"
+            )
+        return self._controller
+
+    def close(self) -> None:
+        """Stop what still runs (fast), the zygote, and remove the session's ipc and shm."""
+        if any(p.alive for p in self.processes.values()):
+            self.shutdown(fast=True)
+        if self._controller is not None:
+            self._controller.close()
+            self._context.term()
+            self._controller = self._context = None
+        if self.zygote.pid is not None and self.zygote.alive:
+            for pid, rc in self.zygote.stop(grace_s=0.5):
+                self._handle_exit(pid, rc)
+        self.cleanup()
+
+    def cleanup(self) -> None:
+        """Remove the session's ipc directory and shared-memory segments."""
+        path = runtime_base_dir() / self.session
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        prefix = f"{SHM_PREFIX}{self.session}"
+        with contextlib.suppress(FileNotFoundError):
+            for name in os.listdir("/dev/shm"):
+                if name.startswith(prefix):
+                    with contextlib.suppress(OSError):
+                        Path("/dev/shm", name).unlink()
+
+    def __enter__(self) -> Supervisor:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

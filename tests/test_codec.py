@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import enum
 import math
 import pickle
 import random
@@ -152,6 +154,16 @@ def test_numpy_scalars_and_nested_arrays_keep_their_types() -> None:
     assert type(out["d"]["b"][0]) is np.int8
 
 
+def test_subclasses_of_plain_types_travel_as_their_base_type() -> None:
+    class Level(enum.IntEnum):
+        HIGH = 2
+
+    objs = {"lvl": Level.HIGH, "od": collections.OrderedDict(a=1), "f": np.float64(0.5)}
+    out = decode_event(encode_event(DataStore(EventMeta(1), objs)))
+    assert out["lvl"] == 2 and type(out["lvl"]) is int
+    assert out["od"] == {"a": 1} and out["f"] == 0.5
+
+
 def test_tuples_come_back_as_lists() -> None:
     out = decode_event(encode_event(DataStore(EventMeta(1), {"t": (1, (2, 3))})))
     assert out["t"] == [1, [2, 3]]
@@ -215,6 +227,9 @@ def test_batch_round_trip_and_split_join(items: list[tuple[EventMeta, int]]) -> 
     assert [decode_event(ev).meta for ev in singles] == [s.meta for s in stores]
     rejoined = decode_batch(join_events([encode_event(s) for s in stores]))
     assert [s.meta for s in rejoined] == [s.meta for s in stores]
+    # events kept as packed buffers (ledger, record files) join without copies to bytes
+    packed = [unpack_frames(pack_frames(encode_event(s))) for s in stores]
+    assert [s.meta for s in decode_batch(join_events(packed))] == [s.meta for s in stores]
 
 
 def test_batch_of_small_events_is_one_frame() -> None:
@@ -312,6 +327,7 @@ def test_get_codec_chooses_by_name_and_refuses_unknown_names() -> None:
         (2**64, "cannot encode integer 18446744073709551616: out of the range"),
         ([1, object()], "cannot encode a builtins.object"),
         (np.ma.masked_array([1, 2]), "cannot encode object 'bad'"),
+        (np.arange(2).view(np.recarray), "cannot encode object 'bad' of type numpy.rec.recarray"),
     ],
 )
 def test_unencodable_objects_raise_codec_error_naming_the_problem(obj: Any, match: str) -> None:
@@ -549,6 +565,13 @@ def test_random_frames_never_raise_anything_but_codec_error(frames: list[bytes])
     for decoder in (decode_event, decode_batch, peek_meta, peek_metas):
         with contextlib.suppress(CodecError):
             decoder(frames)
+
+
+def test_non_string_object_names_are_refused_when_encoding() -> None:
+    store = DataStore(EventMeta(1))
+    store.objects[3] = 1  # type: ignore[index]  # bypasses DataStore's own check
+    with pytest.raises(CodecError, match="cannot encode object name 3: names are strings"):
+        encode_event(store)
 
 
 def test_module_exports_the_interface_names() -> None:

@@ -90,6 +90,8 @@ AWKWARD_LENGTH_SLACK = 4096
 Frame = bytes | memoryview
 _T = TypeVar("_T")
 _PLAIN = frozenset({int, float, str, bytes, bool, type(None), dict, list, tuple})
+# Subclasses (IntEnum members, OrderedDict, ...) travel as their base type.
+_PLAIN_BASES = (int, float, str, bytes, dict, list, tuple, np.generic)
 
 
 _local = threading.local()
@@ -116,6 +118,8 @@ def _encode_objects(objects: dict[str, Any], frames: list[Frame]) -> list[Any]:
     entries: list[Any] = []
     append = entries.append
     for name, value in objects.items():
+        if type(name) is not str:
+            raise CodecError(f"cannot encode object name {name!r}: names are strings")
         t = type(value)
         if t is np.ndarray:
             if value.nbytes <= INLINE_MAX_BYTES:
@@ -124,10 +128,12 @@ def _encode_objects(objects: dict[str, Any], frames: list[Frame]) -> list[Any]:
                 frames.append(as_bytes_view(value))
                 data = len(frames) - 1
             append((name, T_ARRAY, dtype_str(value.dtype), value.shape, data))
-        elif t in _PLAIN or isinstance(value, np.generic):
+        elif t in _PLAIN:
             append((name, T_VALUE, value))
         elif t.__module__.startswith("awkward"):
             append(_encode_awkward(name, value, frames))
+        elif isinstance(value, _PLAIN_BASES):
+            append((name, T_VALUE, value))
         else:
             raise CodecError(
                 f"cannot encode object {name!r} of type {t.__module__}.{t.__qualname__}; the "
@@ -200,7 +206,8 @@ def join_events(events: Iterable[Sequence[Frame]]) -> list[Frame]:
     for ev in events:
         if not ev:
             raise CodecError("cannot join an empty frame list into a batch")
-        headers.append(ev[0])
+        head = ev[0]
+        headers.append(head if type(head) is bytes else memoryview(head))  # packs as bin
         counts.append(len(ev) - 1)
         frames.extend(ev[1:])
     frames[0] = _packb((CODEC_VERSION, KIND_BATCH, headers, counts))

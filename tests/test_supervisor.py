@@ -334,3 +334,11 @@ def test_real_devices_stop_over_the_bus_without_signals(
     assert "SIGKILL" not in caplog.text
     assert sup.processes["sampler"].returncode == 0
     assert sup.processes["sink"].returncode == 0
+
+
+def test_children_spawned_on_the_shared_zygote_are_reported_as_unmanaged() -> None:
+    with Supervisor() as sup:
+        pid = sup.zygote.spawn(_exit_with, 4)
+        event = _poll_until(sup, 1)[0]
+        assert (event.pid, event.returncode, event.outcome) == (pid, 4, "unmanaged")
+        assert not sup.failed

@@ -125,7 +125,8 @@ class ManagedProcess:
 
 @dataclass(frozen=True)
 class ExitEvent:
-    """One death. ``outcome``: restarting, done (exit 0), failed, stopped (by shutdown)."""
+    """One death. ``outcome``: restarting, done (exit 0), failed, stopped (by shutdown),
+    or unmanaged (a child that someone else spawned on the same zygote; ``name`` is "")."""
 
     name: str
     pid: int
@@ -263,7 +264,6 @@ class Supervisor:
                 sel.register(self.zygote.fileno(), selectors.EVENT_READ)
                 sel.select(wait_s)
         events = [self._handle_exit(pid, rc) for pid, rc in self.zygote.exits()]
-        events = [e for e in events if e is not None]
         now = self.clock()
         for proc in sorted(self.processes.values(), key=lambda p: p.order):
             if proc.state == "backoff" and proc.restart_at_s is not None:
@@ -286,10 +286,11 @@ class Supervisor:
                 callback(event)
         return events
 
-    def _handle_exit(self, pid: int, returncode: int) -> ExitEvent | None:
+    def _handle_exit(self, pid: int, returncode: int) -> ExitEvent:
         proc = self._by_pid.pop(pid, None)
-        if proc is None:
-            return None
+        if proc is None:  # spawned on the shared zygote by someone else: pass it on
+            what = f"unmanaged child pid {pid} {describe_exit(returncode)}"
+            return ExitEvent("", pid, returncode, "unmanaged", 0, what, self.clock())
         proc.returncode = returncode
         spec = proc.spec
         what = f"process {proc.name!r} (pid {pid}) {describe_exit(returncode)}"

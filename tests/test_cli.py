@@ -11,6 +11,7 @@ import pytest
 
 from evflow.cli import main
 from evflow.io.records import RecordInput
+from evflow.processing.steering import run_steering
 
 GOOD = """\
 import evflow
@@ -180,3 +181,59 @@ def test_steering_arguments_after_double_dash(tmp_path: Path, capsys) -> None:
     )
     assert main(["run", file, "--", "6"]) == 0
     assert "6 read" in capsys.readouterr().out
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.mark.parametrize("name", ["toy_steering.py", "hzz_steering.py"])
+def test_examples_run(tmp_path: Path, monkeypatch, capsys, name: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "sel.evf"
+    assert main(["run", str(EXAMPLES / name), "-n", "200", "-o", str(out), "-q"]) == 0
+    uids = [s.meta.uid for s in RecordInput(file=str(out)).events()]
+    assert 0 < len(uids) < 200 and uids == sorted(set(uids))
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_readme_code_examples_run(tmp_path: Path, monkeypatch) -> None:
+    import re
+
+    import evflow
+    from evflow.demo import hzz_path
+    from evflow.io.generators import ToyGenerator
+
+    monkeypatch.chdir(tmp_path)
+    steering_block, module_block = re.findall(
+        r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S
+    )
+    (tmp_path / "steer.py").write_text(
+        steering_block.replace('"uproot-HZZ.root"', repr(hzz_path()))
+    )
+    (summary,) = run_steering(tmp_path / "steer.py", {"quiet": True})
+    assert summary.events_read == 1000 and summary.persistent["m_mumu"].sum() > 400
+
+    namespace: dict = {}
+    exec(compile(module_block, "README.md", "exec"), namespace)
+
+    class Muons(evflow.Module):
+        def event(self, store: evflow.DataStore) -> None:
+            store["mu_px"] = [1.0] * (store.meta.uid % 3)
+
+    path = evflow.Path([ToyGenerator(n_events=30), Muons(), namespace["MuonCount"]()])
+    result = evflow.process(path, quiet=True)
+    assert result.events_written == 20
+    assert list(result.persistent["n_mu"].values()[:3]) == [10, 10, 10]
+
+
+def test_ci_runs_exactly_the_readme_test_command() -> None:
+    readme = (ROOT / "README.md").read_text()
+    command = readme.split("## Run the tests", 1)[1].split("```")[1].strip()
+    assert command == "pip install -e '.[test]' && python -m pytest"
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert f'TEST_CMD="{command}"' in ci
+    assert 'bash -c "$TEST_CMD"' in ci
+    demo = readme.split("## Run the demo", 1)[1].split("```")[1].strip()
+    assert demo == "pip install -e . && evflow demo"

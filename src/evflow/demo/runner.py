@@ -108,7 +108,7 @@ def plot_masses(file: FsPath, hists: dict[str, Any], summary: RunSummary) -> Non
         if h is not None:
             ax.stairs(h.values(), h.axes[0].edges, fill=True, alpha=0.6)
             ax.set_xlabel(h.axes[0].label)
-            ax.set_title(f"{titles[key]} ({int(h.sum())} entries)")
+            ax.set_title(f"{titles[key]} ({int(h.sum(flow=True))} entries)")
         else:
             ax.set_title(f"{titles[key]} (no entries)")
         ax.set_ylabel("events / bin")

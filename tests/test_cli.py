@@ -126,7 +126,7 @@ def test_unknown_parameter_is_one_line(tmp_path: Path) -> None:
             "missing.evf",
         ),
     ],
-    ids=["exception", "wrong-type", "missing-input"],
+    ids=["exception", "wrong-type", "missing-input"],  # ROOT cases below
 )
 def test_bad_steering_is_one_error_line(tmp_path: Path, capsys, body: str, expect: str) -> None:
     code = main(["run", steering(tmp_path, body)])
@@ -237,3 +237,28 @@ def test_ci_runs_exactly_the_readme_test_command() -> None:
     assert 'bash -c "$TEST_CMD"' in ci
     demo = readme.split("## Run the demo", 1)[1].split("```")[1].strip()
     assert demo == "pip install -e . && evflow demo"
+
+
+@pytest.mark.parametrize(
+    ("content", "expect"),
+    [
+        (None, "ROOT input file '{file}' does not exist"),
+        (b"this is not a ROOT file at all" * 10, "'{file}' is not a readable ROOT file"),
+    ],
+    ids=["missing-root", "corrupt-root"],
+)
+def test_bad_root_input_is_one_line(tmp_path: Path, content: bytes | None, expect: str) -> None:
+    data = tmp_path / "data.root"
+    if content is not None:
+        data.write_bytes(content)
+    file = steering(
+        tmp_path,
+        "import evflow\nfrom evflow.io.root import RootInput\n"
+        f"evflow.process(evflow.Path([RootInput(file={str(data)!r})]))\n",
+    )
+    result = run_cli("run", file)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"evflow: error: {file}:3: ")
+    assert expect.format(file=data) in lines[0]

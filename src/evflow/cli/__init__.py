@@ -50,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except EvflowError as exc:
         # one clear line, no traceback storm: the error message names the problem
-        print(f"evflow: error: {exc}", file=sys.stderr)
+        # (messages that wrap a library's multi-line text are joined into one line)
+        message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        print(f"evflow: error: {message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("evflow: interrupted", file=sys.stderr)

@@ -231,13 +231,13 @@ def test_statistics_merge_like_histograms() -> None:
 
 def test_summary_renders_module_table() -> None:
     summary = run_sequential(
-        Path([ListSource(n=10), Recorder("trigger", [], drop_if=lambda s: s.meta.uid < 4)]),
+        Path([ListSource(n=10), Recorder("trigger[tight]", [], drop_if=lambda s: s.meta.uid < 4)]),
         quiet(),
     )
     text = str(summary)
     assert "10 read, 6 written, 4 dropped" in text
     assert "Module statistics" in text
-    for word in ("ListSource", "trigger", "Calls", "Time/call (ms)"):
+    for word in ("ListSource", "trigger[tight]", "Calls", "Time/call (ms)"):
         assert word in text
 
 
@@ -349,3 +349,92 @@ def test_unwritable_output_is_one_clear_error(tmp_path) -> None:
         evflow.process(path, output=str(tmp_path / "nowhere" / "x.evf"), quiet=True)
     with pytest.raises(OutputError, match="is a directory"):
         evflow.process(path, output=str(tmp_path), quiet=True)
+
+
+# --- signals -----------------------------------------------------------------------------
+class SignalSelf(Module):
+    """Sends itself ``times`` signals while processing event uid ``at``."""
+
+    def __init__(self, at: int, times: int, signum: int = 2) -> None:
+        super().__init__()
+        self.at, self.times, self.signum = at, times, signum
+
+    def event(self, store: DataStore) -> bool | None:
+        import os
+
+        if store.meta.uid == self.at:
+            for _ in range(self.times):
+                os.kill(os.getpid(), self.signum)
+                time.sleep(0.01)  # let the handler run between the two
+        return None
+
+
+def test_first_sigint_finishes_the_event_and_ends_the_run_cleanly(tmp_path, capsys) -> None:
+    import signal
+
+    out = tmp_path / "o.evf"
+    log: list = []
+    before = signal.getsignal(signal.SIGINT)
+    path = Path([ListSource(n=50), SignalSelf(at=5, times=1), Recorder("r", log)])
+    with pytest.raises(KeyboardInterrupt):
+        evflow.process(path, output=str(out))
+    assert [s.meta.uid for s in RecordInput(file=str(out)).events()] == list(range(6))
+    assert ("r", "end_run", (0, 0)) in log and ("r", "terminate", None) in log
+    assert (
+        "6 read, 6 written" in capsys.readouterr().out and signal.getsignal(signal.SIGINT) is before
+    )
+
+
+def test_second_sigint_stops_at_once_but_closes_writers(tmp_path) -> None:
+    out = tmp_path / "o.evf"
+    log: list = []
+    path = Path([ListSource(n=50), Recorder("r", log), SignalSelf(at=5, times=2)])
+    with pytest.raises(KeyboardInterrupt):
+        evflow.process(path, output=str(out), quiet=True)
+    assert [s.meta.uid for s in RecordInput(file=str(out)).events()] == list(range(5))
+    assert ("r", "terminate", None) not in log
+
+
+def test_sigterm_ends_the_run_cleanly_with_exit_143(tmp_path) -> None:
+    import os
+    import signal
+    import subprocess
+    import textwrap
+
+    marker, out = tmp_path / "marker", tmp_path / "o.evf"
+    steer = tmp_path / "s.py"
+    steer.write_text(
+        textwrap.dedent(
+            f"""
+            import time, evflow
+            from evflow.io.generators import ToyGenerator
+            class Slow(evflow.Module):
+                def event(self, store):
+                    if store.meta.uid == 10:
+                        open({str(marker)!r}, "w").close()
+                    time.sleep(0.005)
+            evflow.process(evflow.Path([ToyGenerator(n_events=100000), Slow()]))
+            """
+        )
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "evflow", "run", str(steer), "-o", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.01)
+        assert marker.exists(), proc.stderr.read() if proc.poll() is not None else "no marker"
+        os.kill(proc.pid, signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, stderr
+    assert "[interrupted]" in stdout and "Traceback" not in stderr
+    uids = [s.meta.uid for s in RecordInput(file=str(out)).events()]
+    assert len(uids) > 10 and uids == list(range(len(uids)))

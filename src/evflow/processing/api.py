@@ -42,6 +42,16 @@ def process(path: Path, **options: Any) -> RunSummary:
         summary.render()
     if ctx is not None:
         ctx.summaries.append(summary)
+    if summary.interrupted and summary.counters.get("signal"):
+        # the run stopped cleanly on SIGINT/SIGTERM; now stop the program as asked
+        from evflow.processing.sequential import raise_for_signal
+
+        try:
+            raise_for_signal(int(summary.counters["signal"]))
+        except BaseException as exc:
+            if ctx is not None:
+                ctx.mark_run_error(exc)  # e.g. SystemExit(143): not the steering file's exit
+            raise
     return summary
 
 

@@ -8,8 +8,11 @@ the writers are terminated, so everything written so far stays readable.
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 import time
+from types import FrameType, TracebackType
 from typing import Any
 
 from evflow.errors import ConfigurationError, EvflowError, ModuleError
@@ -43,17 +46,18 @@ def run_sequential(path: Path, options: ProcessOptions | None = None) -> RunSumm
     )
     read = written = 0
     start = time.monotonic()
-    try:
-        chain.initialize()
-        progress.start()
-        read, written = _event_loop(chain, source, options.max_events, progress)
-        chain.end_run()
-        progress.stop(read)
-        chain.terminate()
-    except BaseException:  # KeyboardInterrupt too: close the writers, then stop
-        progress.stop()
-        chain.abort()
-        raise
+    with StopSignals() as stop:
+        try:
+            chain.initialize()
+            progress.start()
+            read, written = _event_loop(chain, source, options.max_events, progress, stop)
+            chain.end_run()
+            progress.stop(read)
+            chain.terminate()
+        except BaseException:  # a second Ctrl-C too: close the writers, then stop
+            progress.stop()
+            chain.abort()
+            raise
     wall_s = time.monotonic() - start
     stats = chain.statistics()
     return RunSummary(
@@ -65,11 +69,17 @@ def run_sequential(path: Path, options: ProcessOptions | None = None) -> RunSumm
         modules=tuple(stats),
         persistent=chain.persistent,
         outputs=tuple(_output_files(chain)),
+        interrupted=bool(stop.signum),
+        counters={"signal": stop.signum} if stop.signum else {},
     )
 
 
 def _event_loop(
-    chain: ModuleChain, source: Any, max_events: int | None, progress: ConsoleProgress
+    chain: ModuleChain,
+    source: Any,
+    max_events: int | None,
+    progress: ConsoleProgress,
+    stop: StopSignals,
 ) -> tuple[int, int]:
     """The hot loop: per event one source step, the modules, and a clock comparison."""
     read = written = 0
@@ -97,6 +107,8 @@ def _event_loop(
                 chain.switch_run(*current)
             if chain.event(store):
                 written += 1
+            if stop.signum:
+                break  # SIGINT/SIGTERM: this event is done; end the run cleanly
             if next_due != float("inf"):
                 now = monotonic()
                 if now >= next_due:
@@ -107,6 +119,46 @@ def _event_loop(
         if close is not None:
             close()  # a generator source closes its files now, not at garbage collection
     return read, written
+
+
+class StopSignals:
+    """SIGINT/SIGTERM during a run: the first finishes the current event and ends the run
+    cleanly (end_run, terminate: files closed); a second one stops at once (writers are
+    still closed). Installed only in the main thread, and not over an ignored signal.
+    """
+
+    def __init__(self) -> None:
+        self.signum = 0  # the first stop signal received, 0 for none
+        self._saved: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self._saved[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum:
+            raise_for_signal(signum)
+        self.signum = signum
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+        self._saved.clear()
+
+
+def raise_for_signal(signum: int) -> None:
+    """End the program the way ``signum`` asks: SIGTERM exits 143, SIGINT is Ctrl-C (130)."""
+    if signum == signal.SIGTERM:
+        raise SystemExit(128 + signal.SIGTERM)
+    raise KeyboardInterrupt
 
 
 def _output_files(chain: ModuleChain) -> list[str]:

@@ -74,6 +74,8 @@ def run_steering(
     try:
         exec(code, module.__dict__)
     except SystemExit as exc:
+        if ctx.is_run_error(exc):
+            raise  # SIGTERM during a run: exit 143 after the run closed its files
         if exc.code not in (None, 0):
             raise SteeringError(f"steering file {str(path)!r} called exit({exc.code!r})") from None
     except EvflowError as exc:

@@ -49,7 +49,7 @@ class RunSummary:
         from rich.console import Console
 
         stream = file if file is not None else sys.stdout
-        console = Console(file=stream, width=width, highlight=False, soft_wrap=False)
+        console = Console(file=stream, width=width, highlight=False, markup=False)
         console.print(self._summary_line(), soft_wrap=True)
         if self.modules:
             console.print(self._table())

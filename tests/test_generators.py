@@ -96,3 +96,14 @@ def test_bad_generator_parameters_are_refused(params: dict[str, object], message
         BusyWork(work_ms=-2)
     with pytest.raises(ParameterError, match="start must be >= 0"):
         list(ToyGenerator(n_events=2).events(-1))
+
+
+def test_evflow_io_exports_its_public_classes() -> None:
+    import evflow.io
+
+    for name in evflow.io.__all__:
+        assert hasattr(evflow.io, name), name
+    assert issubclass(evflow.io.RecordOutput, evflow.io.Writer)
+    assert issubclass(evflow.io.RootOutput, evflow.io.Writer)
+    for source in (evflow.io.RecordInput, evflow.io.RootInput, evflow.io.ToyGenerator):
+        assert issubclass(source, evflow.Source)

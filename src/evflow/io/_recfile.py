@@ -263,7 +263,9 @@ class RecordReader:
     what was skipped; each is also logged once as a warning naming file and offset.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, on_corrupt: OnCorrupt = "raise") -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, on_corrupt: OnCorrupt | str = "raise"
+    ) -> None:
         if on_corrupt not in ("raise", "skip"):
             raise ValueError(f"on_corrupt must be 'raise' or 'skip', got {on_corrupt!r}")
         self.path = os.fspath(path)

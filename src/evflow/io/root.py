@@ -20,7 +20,6 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import awkward as ak
 import numpy as np
 
 from evflow.errors import ClosedError, InputError, OutputError
@@ -30,7 +29,7 @@ from evflow.processing.module import Param, Source
 
 log = logging.getLogger(__name__)
 
-META_BRANCHES = {
+META_BRANCHES: dict[str, np.dtype[Any]] = {
     "evflow_uid": np.dtype(np.uint64),
     "evflow_experiment": np.dtype(np.int64),
     "evflow_run": np.dtype(np.int64),
@@ -41,7 +40,7 @@ META_BRANCHES = {
 
 def _open_tree(file: str, tree: str) -> tuple[Any, Any]:
     """``(file, tree)`` opened with uproot, or an ``InputError`` naming what is wrong."""
-    import uproot
+    import uproot  # type: ignore[import-untyped]
 
     if not os.path.exists(file):
         raise InputError(f"ROOT input file {file!r} does not exist")
@@ -67,7 +66,7 @@ def _open_tree(file: str, tree: str) -> tuple[Any, Any]:
 
 
 def _readable_leaves(tree: Any) -> list[str]:
-    import uproot
+    import uproot  # type: ignore[import-untyped]
 
     unknown = uproot.interpretation.identify.UnknownInterpretation
     return [
@@ -77,8 +76,13 @@ def _readable_leaves(tree: Any) -> list[str]:
     ]
 
 
-def _split_column(a: ak.Array) -> Sequence[Any]:
-    """One chunk column as a per-entry sequence (numpy scalars or views when possible)."""
+def _split_column(a: Any) -> Sequence[Any]:
+    """One chunk column (an ``ak.Array``) as a per-entry sequence.
+
+    Numpy scalars or views into the chunk when possible, Python objects otherwise.
+    """
+    import awkward as ak  # type: ignore[import-untyped]
+
     try:
         return list(ak.to_numpy(a))  # flat -> numpy scalars; regular -> sub-arrays
     except (ValueError, TypeError):
@@ -176,6 +180,8 @@ class _Column:
         return f"var * {self.dtype.name}" if self.jagged else self.dtype
 
     def chunk(self) -> Any:
+        import awkward as ak  # type: ignore[import-untyped]
+
         if not self.jagged:
             return np.asarray(self.values, dtype=self.dtype)
         counts = np.fromiter((len(v) for v in self.values), np.int64, len(self.values))
@@ -192,7 +198,9 @@ def _classify(value: Any) -> _Column | None:
     if isinstance(value, bool | int | float | np.generic):
         dt = np.asarray(value).dtype
         return _Column(dt, False) if dt.kind in "biuf" else None
-    if isinstance(value, ak.Array):
+    if type(value).__module__.startswith("awkward"):
+        import awkward as ak  # type: ignore[import-untyped]
+
         try:
             value = ak.to_numpy(value)
         except (ValueError, TypeError):
@@ -254,7 +262,8 @@ class RootOutput(Writer):
     def _make_columns(self, store: DataStore) -> dict[str, _Column]:
         columns: dict[str, _Column] = {}
         explicit = self.branches is not None
-        for key in self.branches if explicit else list(store):
+        names: list[str] = list(self.branches) if self.branches is not None else list(store)
+        for key in names:
             if key not in store:
                 raise OutputError(
                     f"ROOT output {self.file!r}: branch {key!r} is not in event "

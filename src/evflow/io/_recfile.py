@@ -39,6 +39,7 @@ OnCorrupt = Literal["raise", "skip"]
 _IOV_MAX = 1000  # below Linux's IOV_MAX (1024)
 _SMALL = 64 * 1024  # buffers below this are copied into the write buffer
 _U32 = struct.Struct("<I")
+_ONE_FRAME = struct.Struct("<IQ")  # pack_frames header of a single frame
 
 
 class Record(NamedTuple):
@@ -150,9 +151,8 @@ class RecordWriter:
             raise ClosedError(f"record file {self.path!r} is closed")
         n = len(payload)
         head = record_header(n, uid, flags, zlib.crc32(payload))
-        if n < _SMALL:  # the common small-event path: two appends to one buffer
-            self._small += head
-            self._small += payload
+        if n < _SMALL:  # the common small-event path: one append to one buffer
+            self._small += head + payload
         else:
             if self._small:
                 self._iov.append(self._small)
@@ -171,9 +171,17 @@ class RecordWriter:
         Large frames are referenced, not copied, until the buffer is written: they must
         not change until ``flush``.
         """
-        lens = [memoryview(f).nbytes for f in frames]
+        if len(frames) == 1 and type(frames[0]) is bytes and len(frames[0]) < _SMALL:
+            # a small event is one frame: build the packed payload directly (cheapest)
+            frame = frames[0]
+            self.write_record(uid, flags, _ONE_FRAME.pack(1, len(frame)) + frame)
+            return
+        lens = [len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames]
         head = _U32.pack(len(lens)) + struct.pack(f"<{len(lens)}Q", *lens)
-        self.write_parts(uid, flags, (head, *frames))
+        if sum(lens) < _SMALL and all(type(f) is bytes for f in frames):
+            self.write_record(uid, flags, b"".join((head, *frames)))  # type: ignore[arg-type]
+        else:
+            self.write_parts(uid, flags, (head, *frames))
 
     def write_parts(
         self, uid: int, flags: int, parts: Sequence[bytes | bytearray | memoryview]

@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import numpy as np
-
 from evflow.processing.parallel.ledger import Ledger
 
 
@@ -33,16 +31,13 @@ def bare_dict(n: int, batch: int, workers: int) -> float:
 
 
 def ledger(n: int, batch: int, workers: int, in_flight: int) -> float:
-    """One event per send (large events travel one per message)."""
     frames = (b"x",)
     led = Ledger(event_timeout_s=60.0)
     pending: list[int] = []
     names = [f"w{i}".encode() for i in range(workers)]
     t0 = time.perf_counter()
     for i in range(n):
-        worker = names[i % workers]
-        led.add(i, i, worker, frames)
-        led.worker_done(worker, 1)
+        led.add(i, i, names[i % workers], frames)
         if i >= in_flight:  # confirms lag in_flight events behind the sends
             pending.append(i - in_flight)
             if len(pending) >= batch:
@@ -52,23 +47,20 @@ def ledger(n: int, batch: int, workers: int, in_flight: int) -> float:
     return time.perf_counter() - t0
 
 
-def ledger_batched(n: int, workers: int, in_flight: int, send_batch: int) -> float:
-    """Small events: one send per batch of ``send_batch`` events, as the input sends them."""
+def ledger_batched(n: int, batch: int, workers: int, in_flight: int, send_batch: int) -> float:
     frames = (b"x",)
-    uids = np.arange(n, dtype="<u8")
     led = Ledger(event_timeout_s=60.0)
+    pending: list[int] = []
     names = [f"w{i}".encode() for i in range(workers)]
-    lag = max(1, in_flight // send_batch)
     t0 = time.perf_counter()
-    for key, start in enumerate(range(0, n, send_batch)):
+    for start in range(0, n, send_batch):
         stop = min(n, start + send_batch)
-        worker = names[key % workers]
-        enc = [frames] * (stop - start)
-        led.add_batch(key, worker, uids[start:stop].tobytes(), enc, start, stop)
-        led.worker_done(worker, stop - start)
-        if key >= lag:
-            led.confirm([key - lag])
+        led.add_batch([(i, i, frames) for i in range(start, stop)], names[start % workers])
+        pending.extend(range(max(0, start - in_flight), max(0, stop - in_flight)))
+        if len(pending) >= batch:
+            led.confirm(pending)
             led.checkpoint_position()
+            pending.clear()
     return time.perf_counter() - t0
 
 
@@ -84,7 +76,8 @@ def main() -> None:
     best_dict = min(bare_dict(a.events, a.batch, a.workers) for _ in range(a.repeat))
     best_ledger = min(ledger(a.events, a.batch, a.workers, a.in_flight) for _ in range(a.repeat))
     best_batched = min(
-        ledger_batched(a.events, a.workers, a.in_flight, a.send_batch) for _ in range(a.repeat)
+        ledger_batched(a.events, a.batch, a.workers, a.in_flight, a.send_batch)
+        for _ in range(a.repeat)
     )
     us_batched = best_batched / a.events * 1e6
     us_dict = best_dict / a.events * 1e6

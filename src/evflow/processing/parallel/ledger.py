@@ -1,26 +1,26 @@
 """The input's ledger: every event sent and not yet confirmed written by the output.
 
 The ledger, not the transport, decides that an event is safe (DESIGN.md, "End of
-stream is a message"). The unit is a *send*: one EVENTS message to one worker, under
-a key the caller chooses (the batch id), holding one or many events whose encoded
-frames are kept by reference (no copy). The output confirms keys in batches once it
-has written and flushed their events; a confirmed send is forgotten.
+stream is a message"). The input ``add``s an event when it first sends it and keeps a
+reference to its encoded frames (no copy); the output ``confirm``s uids in batches
+after it has written and flushed them. What is still in the ledger when a worker dies,
+times out or the output restarts is sent again with ``attempt + 1``.
 
-Blame. A worker handles its sends in order and returns credit (READY) after each, so
-``worker_done(worker, n_events)`` tells the ledger which sends it finished. When a
-worker dies or times out, the first send it had not finished is the one it was
-working on. If that send holds one event, the event is charged a failure. If it
-holds many, nobody is charged: its events come back *isolated* (to be sent one per
-message), so the next failure names the event exactly. The worker's other sends are
-innocent and come back uncharged. An event charged ``max_attempts`` failures is
-*poisoned*: never retried; the input sends it to the output to be written raw with
-``FLAG_QUARANTINED``; the reasons are in ``entry.reasons``. A Python exception in a
-module is reported for its event (``fail``): the worker lives on.
+Blame. A worker holds up to ``event_buffer`` events, so when it dies we do not always
+know which event killed it. The rule: if the dead worker held exactly one unconfirmed
+event (or the engine names the culprit, e.g. for a Python exception), that event is
+charged a failure. Otherwise nobody is charged and every event of the worker comes
+back with ``isolate = True``: the engine should send such an event to a worker that
+holds nothing else, so that the next failure is charged exactly. As a safety net every
+second death an event is a suspect in is charged, so even with an engine that does not
+isolate, a poison event is quarantined after ``2 * max_attempts`` deaths. An event
+charged ``max_attempts`` failures is *poisoned*: it is not retried; the input sends it
+raw to the output to be written with ``FLAG_QUARANTINED`` and the reasons
+(``entry.reasons``).
 
-Cost: one ``LedgerEntry``-free record per *send* on the hot path (dict insert, deque
-appends); per-event records are made only when a send fails. The checkpoint position
-(lowest unconfirmed source position) is amortised O(1): sends are made in increasing
-position order and popped from a deque once done.
+Cost per event: one dict insert and one delete by uid, one append to the per-worker
+dict, and an amortised O(1) pop from a deque of send order for the checkpoint
+position (positions are added in increasing order; no sorting).
 """
 
 from __future__ import annotations
@@ -33,16 +33,14 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from evflow.errors import ConfigurationError, InternalError
 
 Clock = Callable[[], float]
 
 
 class EntryState(enum.Enum):
-    IN_FLIGHT = "in-flight"  # part of a send to a worker (or to the output), unconfirmed
-    PENDING = "pending"  # taken back, waiting to be sent again (take_pending)
+    IN_FLIGHT = "in-flight"  # sent to a worker, not confirmed
+    PENDING = "pending"  # requeued, waiting to be sent again
     POISONED = "poisoned"  # max_attempts failures: to be written quarantined
     CONFIRMED = "confirmed"  # written and flushed by the output; gone from the ledger
 
@@ -86,33 +84,46 @@ class Failure:
 
 
 class LedgerEntry:
-    """One event taken back from a failed send: what the retry or quarantine needs."""
+    """One event sent and not confirmed. ``frames`` is the encoded event, by reference.
+
+    A plain slotted class (not a dataclass) because one is made per event on the
+    input's hot path; the rarely used fields have class-level defaults.
+    """
 
     __slots__ = (
         "attempt",
         "failures",
         "frames",
         "isolate",
-        "origin",
+        "position",
         "reasons",
+        "sent_at_s",
         "state",
+        "suspicions",
         "uid",
+        "worker",
     )
 
-    def __init__(self, uid: int, frames: Sequence[Any], attempt: int, origin: Send) -> None:
+    def __init__(
+        self,
+        uid: int,
+        position: int,
+        worker: Hashable | None,
+        sent_at_s: float,
+        attempt: int,
+        frames: Sequence[Any],
+    ) -> None:
         self.uid = uid
-        self.frames = frames  # the encoded event, by reference
-        self.attempt = attempt  # the attempt it will be sent with next
-        self.origin = origin  # the first send, which holds its source position
-        self.state = _PENDING
+        self.position = position
+        self.worker = worker
+        self.sent_at_s = sent_at_s
+        self.attempt = attempt
+        self.frames = frames
+        self.state = _IN_FLIGHT
         self.failures = 0  # attempts charged as failed
-        self.isolate = False  # send it alone in a message, so its failure is its own
+        self.suspicions = 0  # deaths it was in without being charged
+        self.isolate = False  # send it to a worker holding nothing else
         self.reasons: tuple[str, ...] = ()  # why attempts failed, oldest first
-
-    @property
-    def position(self) -> int:
-        """The source position of the first event of its original send (conservative)."""
-        return self.origin.position
 
     @property
     def poisoned(self) -> bool:
@@ -120,73 +131,13 @@ class LedgerEntry:
 
     @property
     def reason(self) -> str:
-        """All failure reasons, oldest first, as one line (for the quarantine record)."""
+        """All failure reasons, oldest first, as one line (for the quarantine flag)."""
         return "; ".join(self.reasons)
 
     def __repr__(self) -> str:
         return (
-            f"<LedgerEntry uid={self.uid} {self.state.value} attempt={self.attempt} "
-            f"failures={self.failures}{' isolate' if self.isolate else ''}>"
-        )
-
-
-class Send:
-    """One message of events to a worker (``worker`` None: a quarantine to the output).
-
-    A first send carries the caller's ``uids`` (ints or little-endian uint64 bytes)
-    and ``frames`` (one frame list per event); a retry carries ``entries``.
-    """
-
-    __slots__ = (
-        "attempt",
-        "detached",
-        "entries",
-        "finished",
-        "frames",
-        "key",
-        "n",
-        "open",
-        "position",
-        "sent_at_s",
-        "state",
-        "uids",
-        "worker",
-    )
-
-    def __init__(
-        self,
-        key: Hashable,
-        worker: Hashable | None,
-        sent_at_s: float,
-        attempt: int,
-        position: int,
-        n: int,
-    ) -> None:
-        self.key = key
-        self.worker = worker
-        self.sent_at_s = sent_at_s
-        self.attempt = attempt
-        self.position = position
-        self.n = n  # events of this send still unconfirmed
-        self.open = n  # first sends: events not yet confirmed, wherever they went
-        self.state = _IN_FLIGHT
-        self.finished = False  # the worker returned its credit (READY)
-        self.uids: Any = None
-        self.frames: Sequence[Any] = ()
-        self.entries: list[LedgerEntry] | None = None
-        self.detached: set[int] | None = None  # uids taken out by fail()
-
-    def uid_list(self) -> list[int]:
-        if self.entries is not None:
-            return [e.uid for e in self.entries]
-        if isinstance(self.uids, bytes | bytearray | memoryview):
-            return np.frombuffer(self.uids, dtype="<u8").tolist()
-        return list(self.uids)
-
-    def __repr__(self) -> str:
-        return (
-            f"<Send key={self.key!r} worker={self.worker!r} n={self.n} "
-            f"attempt={self.attempt} {self.state.value}>"
+            f"<LedgerEntry uid={self.uid} position={self.position} {self.state.value} "
+            f"worker={self.worker!r} attempt={self.attempt} failures={self.failures}>"
         )
 
 
@@ -194,31 +145,31 @@ class Send:
 class LedgerStatistics:
     """Counters of a ledger since it was made (units: events, except where noted)."""
 
-    unconfirmed: int  # events not yet confirmed (= len(ledger))
+    in_flight: int  # entries sent to a worker and not confirmed
+    pending: int  # requeued entries waiting to be sent again
+    poisoned_pending: int  # poisoned entries not yet confirmed written
+    unconfirmed: int  # all entries (= len(ledger))
     max_unconfirmed: int
-    pending: int  # events taken back, waiting to be sent again
-    poisoned_waiting: int  # poisoned events not yet sent to the output
-    sends: int  # messages recorded (first sends, retries and quarantines)
-    added: int  # events recorded by first sends
-    confirmed: int  # events confirmed
-    duplicate_confirms: int  # keys confirmed twice (a late result after a retry)
-    unknown_confirms: int  # keys this ledger never had (or confirmed long ago)
-    retries: int  # events sent again
+    added: int
+    confirmed: int
+    duplicate_confirms: int  # a uid confirmed twice (a late result after a retry)
+    unknown_confirms: int  # a uid this ledger never had (or confirmed long ago)
+    requeued: int  # entries sent back for another attempt
     failures: int  # attempts charged as failed
     timeouts: int  # failures whose kind is timeout
-    workers_lost: int  # requeue_worker calls for a worker that held events
-    poisoned: int  # events that reached max_attempts
+    poisoned: int  # entries that reached max_attempts
     checkpoint_position: int
 
 
 class Ledger:
-    """Sends not yet confirmed, keyed by the caller's send key (see the module doc).
+    """Events sent and not yet confirmed, keyed by uid.
 
-    ``event_timeout_s``: how long a worker may work on one send without finishing it
-    (None: no limit). ``clock`` returns seconds (``time.monotonic`` by default).
+    ``event_timeout_s`` is how long a worker may go without progress while holding an
+    event (progress = one of its events confirmed, or ``progress(worker)``); ``None``
+    disables timeouts. ``clock`` returns seconds (``time.monotonic`` by default).
     """
 
-    # confirmed keys remembered (1 to 2 times this) to tell duplicate from unknown confirms
+    # confirmed uids remembered (1 to 2 times this) to tell duplicate from unknown confirms
     RECENT_CONFIRMS = 65536
 
     def __init__(
@@ -229,397 +180,316 @@ class Ledger:
         start_position: int = 0,
         clock: Clock = time.monotonic,
     ) -> None:
-        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
-            raise ConfigurationError(f"max_attempts must be an integer >= 1, got {max_attempts!r}")
+        if max_attempts < 1:
+            raise ConfigurationError(f"max_attempts must be >= 1, got {max_attempts}")
         if event_timeout_s is not None and not event_timeout_s > 0:
             raise ConfigurationError(f"event_timeout_s must be > 0 or None, got {event_timeout_s}")
         self.max_attempts = max_attempts
         self.event_timeout_s = event_timeout_s
         self._clock = clock
-        self._sends: dict[Hashable, Send] = {}
-        self._by_worker: dict[Hashable, deque[Send]] = {}  # sends not finished, in order
-        self._worker_sends: dict[Hashable, dict[Hashable, Send]] = {}
+        self._entries: dict[int, LedgerEntry] = {}
+        self._by_worker: dict[Hashable, dict[int, LedgerEntry]] = {}
         self._progress_s: dict[Hashable, float] = {}
-        self._timed_out: dict[Hashable, Failure] = {}
-        self._order: deque[Send] = deque()  # first sends, increasing position
+        self._order: deque[LedgerEntry] = deque()  # send order = increasing position
         self._next_position = start_position
-        self._pending: deque[LedgerEntry] = deque()
-        self._isolated: deque[LedgerEntry] = deque()
-        self._poisoned_q: deque[LedgerEntry] = deque()
-        self._recent: set[Hashable] = set()
-        self._recent_old: set[Hashable] = set()
-        self._unconfirmed = 0
-        self._n_pending = 0
+        # recently confirmed uids, two generations: tells duplicate confirms from unknown
+        self._recent: set[int] = set()
+        self._recent_old: set[int] = set()
+        self._pending = 0
+        self._poisoned_pending = 0
         self._max_unconfirmed = 0
-        self._n_sends = 0
         self._added = 0
         self._confirmed = 0
         self._duplicate_confirms = 0
         self._unknown_confirms = 0
-        self._retries = 0
+        self._requeued = 0
         self._failures = 0
         self._timeouts = 0
-        self._workers_lost = 0
         self._poisoned = 0
 
     # --- the hot path -------------------------------------------------------------------
-    def add_batch(
+    def add(
         self,
-        key: Hashable,
-        worker: Hashable,
-        uids: Any,
-        frames: Sequence[Any],
+        uid: int,
         position: int,
-        end_position: int | None = None,
+        worker: Hashable,
+        frames: Sequence[Any],
         attempt: int = 1,
         now: float | None = None,
-    ) -> Send:
-        """Record a first send of ``len(frames)`` events to ``worker`` under ``key``.
+    ) -> LedgerEntry:
+        """Record an event just sent to ``worker``. Positions must not decrease.
 
-        ``uids``: the events' uids (ints, or uint64 little-endian bytes, read only on
-        failure); ``frames``: one encoded frame list per event, kept by reference;
-        ``position``: the source position of its first event, ``end_position`` the one
-        after its last (default ``position + 1``); sends come in position order.
+        ``now`` (clock seconds) saves a clock call per event when the caller adds a
+        batch sent at one moment.
         """
+        entry = LedgerEntry(
+            uid, position, worker, self._clock() if now is None else now, attempt, frames
+        )
+        self._insert(entry, self._worker_dict(worker))
+        n = len(self._entries)
+        if n > self._max_unconfirmed:
+            self._max_unconfirmed = n
+        return entry
+
+    def add_batch(
+        self,
+        events: Iterable[tuple[int, int, Sequence[Any]]],
+        worker: Hashable,
+        now: float | None = None,
+    ) -> int:
+        """Record ``(uid, position, frames)`` events sent to ``worker`` in one message.
+
+        The fast path for small events (one clock call and one lookup per batch).
+        Returns how many were added.
+        """
+        sent_at_s = self._clock() if now is None else now
+        wdict = self._worker_dict(worker)
+        entries, append = self._entries, self._order.append
+        next_position = self._next_position
+        count = 0
+        for uid, position, frames in events:  # _insert, inlined: this is the hot loop
+            entry = LedgerEntry(uid, position, worker, sent_at_s, 1, frames)
+            if position < next_position or entries.setdefault(uid, entry) is not entry:
+                self._next_position = next_position
+                self._added += count
+                self._insert(entry, wdict)  # raises the right InternalError
+            next_position = position + 1
+            append(entry)
+            wdict[uid] = entry
+            count += 1
+        self._next_position = next_position
+        self._added += count
+        n = len(self._entries)
+        if n > self._max_unconfirmed:
+            self._max_unconfirmed = n
+        return count
+
+    def _insert(self, entry: LedgerEntry, wdict: dict[int, LedgerEntry]) -> None:
+        uid, position = entry.uid, entry.position
+        if self._entries.setdefault(uid, entry) is not entry:
+            raise InternalError(f"ledger: uid {uid} added twice (use resend() for a retry)")
         if position < self._next_position:
+            del self._entries[uid]
             raise InternalError(
-                f"ledger: send {key!r} at source position {position}, below the previous "
-                f"send's position {self._next_position - 1} (positions must not decrease)"
+                f"ledger: position {position} of uid {uid} is below the next expected "
+                f"position {self._next_position} (positions must increase)"
             )
-        n = len(frames)
-        send = Send(key, worker, self._clock() if now is None else now, attempt, position, n)
-        send.uids = uids
-        send.frames = frames
-        self._record(send)
-        self._next_position = position + 1 if end_position is None else end_position
-        self._order.append(send)
-        self._added += n
-        return send
+        self._next_position = position + 1
+        self._order.append(entry)
+        wdict[uid] = entry
+        self._added += 1
 
-    def add(
-        self, uid: int, position: int, worker: Hashable, frames: Sequence[Any], attempt: int = 1
-    ) -> Send:
-        """Record a send of one event whose key is its uid (one event per message)."""
-        return self.add_batch(uid, worker, (uid,), (frames,), position, attempt=attempt)
+    def confirm(self, uids: Iterable[int]) -> int:
+        """The output wrote and flushed ``uids``; forget them. Returns how many were ours.
 
-    def confirm(self, keys: Iterable[Hashable]) -> int:
-        """The output wrote and flushed these sends; forget them. Returns events confirmed.
-
-        A key confirmed twice or never recorded is counted, not an error.
+        A uid confirmed twice or never added is counted, not an error.
         """
-        sends = self._sends
+        entries = self._entries
         done = 0
-        for key in keys:
-            send = sends.pop(key, None)
-            if send is None:
-                if key in self._recent or key in self._recent_old:
+        now: float | None = None
+        for uid in uids:
+            entry = entries.pop(uid, None)
+            if entry is None:
+                if uid in self._recent or uid in self._recent_old:
                     self._duplicate_confirms += 1
                 else:
                     self._unknown_confirms += 1
                 continue
-            send.state = _CONFIRMED
-            n = send.n
-            done += n
-            wsends = self._worker_sends.get(send.worker)
-            if wsends is not None:
-                wsends.pop(key, None)
-            entries = send.entries
-            if entries is None:
-                send.open -= n
-            else:
-                for e in entries:
-                    if e.state is _IN_FLIGHT:
-                        e.state = _CONFIRMED
-                        e.origin.open -= 1
-            send.frames = ()  # let the buffers go even if someone keeps the send
-            self._recent.add(key)
+            done += 1
+            state = entry.state
+            if state is _IN_FLIGHT:
+                wdict = self._by_worker.get(entry.worker)
+                if wdict is not None:
+                    wdict.pop(uid, None)
+                    if now is None:
+                        now = self._clock()
+                    self._progress_s[entry.worker] = now
+            elif state is _PENDING:
+                self._pending -= 1
+            elif state is _POISONED:
+                self._poisoned_pending -= 1
+            entry.state = _CONFIRMED
+            entry.frames = ()  # let the buffers go even if someone keeps the entry
+            self._recent.add(uid)
         self._confirmed += done
-        self._unconfirmed -= done
         if len(self._recent) > self.RECENT_CONFIRMS:
             self._recent_old, self._recent = self._recent, set()
         return done
 
-    def worker_done(self, worker: Hashable, n_events: int, now: float | None = None) -> None:
-        """``worker`` returned credit for ``n_events`` events: its oldest sends are done."""
-        self._progress_s[worker] = self._clock() if now is None else now
-        q = self._by_worker.get(worker)
-        while q and n_events > 0:
-            send = q[0]
-            if send.n > n_events and send.state is not _CONFIRMED:
-                break  # partial credit: the send is still being worked on
-            n_events -= send.n
-            send.finished = True
-            q.popleft()
-
     def checkpoint_position(self) -> int:
         """The lowest unconfirmed source position: every position below it is confirmed."""
         order = self._order
-        while order and order[0].open <= 0:
+        while order and order[0].state is _CONFIRMED:
             order.popleft()
         return order[0].position if order else self._next_position
 
     # --- failures -----------------------------------------------------------------------
-    def expired(self, now: float | None = None) -> list[Send]:
-        """The send each worker is working on, when it has taken too long.
+    def progress(self, worker: Hashable, now: float | None = None) -> None:
+        """A sign of life from ``worker`` (e.g. new credit): restarts its timeout."""
+        self._progress_s[worker] = self._clock() if now is None else now
 
-        A worker is late when ``event_timeout_s`` passed since it started its current
-        send (the later of its sending and the worker's last READY). Cost O(workers).
-        The caller kills ``send.worker``, calls ``note_timeout`` and, once the death is
-        seen, ``requeue_worker``.
+    def expired(self, now: float | None = None) -> list[LedgerEntry]:
+        """Entries whose worker made no progress for ``event_timeout_s`` since they were sent.
+
+        At most one per worker (its oldest event, the one it is working on); cost
+        O(workers). The caller kills ``entry.worker`` and calls ``requeue_worker``.
         """
         if self.event_timeout_s is None:
             return []
         now = self._clock() if now is None else now
         found = []
-        for worker, q in self._by_worker.items():
-            while q and q[0].state is _CONFIRMED:  # confirmed before its READY came
-                q.popleft()
-            if not q or worker in self._timed_out:
+        for worker, wdict in self._by_worker.items():
+            if not wdict:
                 continue
-            current = q[0]
-            start = max(current.sent_at_s, self._progress_s.get(worker, current.sent_at_s))
+            oldest = next(iter(wdict.values()))
+            start = max(oldest.sent_at_s, self._progress_s.get(worker, oldest.sent_at_s))
             if now - start > self.event_timeout_s:
-                found.append(current)
+                found.append(oldest)
         return found
-
-    def note_timeout(self, worker: Hashable) -> None:
-        """``worker`` is being killed for a timeout: its requeue charges a timeout."""
-        assert self.event_timeout_s is not None
-        self._timed_out[worker] = Failure.timeout(self.event_timeout_s)
 
     def requeue_worker(
         self, worker: Hashable, failure: Failure, culprit_uid: int | None = None
     ) -> list[LedgerEntry]:
-        """``worker`` died or was killed: take back every event it held, unconfirmed.
+        """``worker`` died or was killed: take back its unconfirmed events.
 
-        The events of the send it was working on are charged (one event) or isolated
-        (many), or only ``culprit_uid`` is charged if given; all others come back
-        uncharged. Returns the entries: ``PENDING`` ones are handed out again by
-        ``take_pending``, ``POISONED`` ones by ``take_poisoned``.
+        Returns them all, each with ``attempt + 1``; the ones charged with
+        ``max_attempts`` failures have ``state = POISONED`` (write them quarantined), the
+        others ``PENDING`` (send them again with ``resend``). See the module doc for
+        who is charged.
         """
-        failure = self._timed_out.pop(worker, failure)
-        q = self._by_worker.pop(worker, None)
+        wdict = self._by_worker.pop(worker, None)
         self._progress_s.pop(worker, None)
-        wsends = self._worker_sends.pop(worker, None)
-        if not wsends:
+        if not wdict:
             return []
-        self._workers_lost += 1
-        current = next((s for s in (q or ()) if s.state is not _CONFIRMED), None)
-        taken: list[LedgerEntry] = []
-        for send in list(wsends.values()):
-            del self._sends[send.key]
-            send.state = _PENDING
-            entries = self._take_entries(send)
-            blamed = send is current and culprit_uid is None
-            for e in entries:
-                e.attempt += 1
-                if e.uid == culprit_uid or (blamed and len(entries) == 1):
-                    self._charge(e, failure, send.attempt)
+        entries = list(wdict.values())
+        if culprit_uid is None and len(entries) == 1:
+            culprit_uid = entries[0].uid
+        for entry in entries:
+            if entry.uid == culprit_uid or (culprit_uid is None and entry.isolate):
+                # an isolated event travelled alone: the failure is exactly its own
+                self._charge(entry, failure)
+            else:
+                entry.suspicions += 1
+                entry.isolate = culprit_uid is None
+                if entry.suspicions % 2 == 0:  # the safety net: two deaths, one failure
+                    self._charge(entry, failure)
                 else:
-                    e.isolate = e.isolate or blamed
-                    self._to_pending(e)
-            taken += entries
-        return taken
+                    self._back_to_pending(entry)
+        return entries
 
-    def fail(self, key: Hashable, uid: int, failure: Failure) -> LedgerEntry | None:
-        """The event ``uid`` of send ``key`` failed but its worker lives (an exception).
+    def fail(self, uid: int, failure: Failure) -> LedgerEntry | None:
+        """The worker survived but the event failed (a Python exception in a module).
 
-        Call before confirming ``key``: the event is taken out of the send, charged
-        and returned (``PENDING`` or ``POISONED``); None if the send is not ours any more.
+        Returns the entry (``PENDING`` or ``POISONED``) or ``None`` if it is not ours
+        any more (already confirmed).
         """
-        send = self._sends.get(key)
-        if send is None:
+        entry = self._entries.get(uid)
+        if entry is None or entry.state is not _IN_FLIGHT:
             return None
-        if send.entries is not None:
-            entry = next((e for e in send.entries if e.uid == uid and e.state is _IN_FLIGHT), None)
-            if entry is None:
-                return None
-            send.entries = [e for e in send.entries if e is not entry]
-        else:
-            uids = send.uid_list()
-            if uid not in uids or (send.detached and uid in send.detached):
-                return None
-            entry = LedgerEntry(uid, send.frames[uids.index(uid)], send.attempt, send)
-            send.detached = (send.detached or set()) | {uid}  # send.open still counts it
-        send.n -= 1
-        entry.attempt = send.attempt + 1
-        self._charge(entry, failure, send.attempt)
+        wdict = self._by_worker.get(entry.worker)
+        if wdict is not None:
+            wdict.pop(uid, None)
+        self._charge(entry, failure)
         return entry
 
     def requeue_all(self, reason: str = "output restarted") -> list[LedgerEntry]:
-        """Every unconfirmed event must be sent again (the output lost its results).
+        """Every unconfirmed entry must be sent again (the output lost its results).
 
-        Nobody is charged; poisoned events stay poisoned (they go to the output again).
+        Nobody is charged; in-flight entries become ``PENDING`` with ``attempt + 1``;
+        poisoned entries stay poisoned (send them to the output again). Returns all
+        entries in position order.
         """
-        taken: list[LedgerEntry] = []
-        for send in list(self._sends.values()):
-            send.state = _PENDING
-            for e in self._take_entries(send):
-                e.reasons += (f"lost: {reason}",)
-                if e.failures >= self.max_attempts:
-                    e.state = _POISONED
-                    self._poisoned_q.append(e)
-                else:
-                    e.attempt += 1
-                    self._to_pending(e)
-                taken.append(e)
-        self._sends.clear()
+        entries = [e for e in self._order if e.state is not _CONFIRMED]
         self._by_worker.clear()
-        self._worker_sends.clear()
         self._progress_s.clear()
-        self._timed_out.clear()
-        return taken
+        for entry in entries:
+            if entry.state is _IN_FLIGHT:
+                entry.reasons += (f"lost: {reason}",)
+                self._back_to_pending(entry)
+        return entries
 
-    # --- sending again ------------------------------------------------------------------
-    def take_pending(self, max_events: int) -> list[LedgerEntry]:
-        """Events to send again in one message: one isolated event, or up to
-        ``max_events`` others of the same attempt. Empty when nothing waits."""
-        for queue in (self._isolated, self._pending):
-            while queue and queue[0].state is not _PENDING:
-                queue.popleft()  # confirmed by a late result meanwhile
-        if self._isolated:
-            return [self._isolated.popleft()]
-        out: list[LedgerEntry] = []
-        queue = self._pending
-        while queue and len(out) < max_events:
-            e = queue[0]
-            if e.state is not _PENDING:
-                queue.popleft()
-                continue
-            if out and e.attempt != out[0].attempt:
-                break
-            out.append(queue.popleft())
-        return out
-
-    def resend(
-        self, key: Hashable, worker: Hashable, entries: list[LedgerEntry], now: float | None = None
-    ) -> Send:
-        """Record a send of ``entries`` (from ``take_pending``) to ``worker`` under ``key``."""
-        for e in entries:
-            if e.state is not _PENDING:
-                raise InternalError(f"ledger: resend of {e!r}, which is not pending")
-        send = self._send_entries(key, worker, entries, now)
-        self._n_pending -= len(entries)
-        self._retries += len(entries)
-        return send
-
-    def pending(self) -> int:
-        """Events waiting to be sent again."""
-        return self._n_pending
-
-    def take_poisoned(self) -> list[LedgerEntry]:
-        """Poisoned events not yet sent to the output (each once; see ``quarantine``)."""
-        out = [e for e in self._poisoned_q if e.state is _POISONED]
-        self._poisoned_q.clear()
-        return out
-
-    def quarantine(self, key: Hashable, entries: list[LedgerEntry]) -> Send:
-        """Record the send of poisoned ``entries`` to the output (confirmed like any send)."""
-        return self._send_entries(key, None, entries, None)
+    def resend(self, uid: int, worker: Hashable) -> LedgerEntry:
+        """A ``PENDING`` entry is sent again to ``worker`` (its attempt already counted)."""
+        entry = self._entries.get(uid)
+        if entry is None or entry.state is not _PENDING:
+            state = "confirmed or unknown" if entry is None else entry.state.value
+            raise InternalError(f"ledger: resend of uid {uid}, which is {state}, not pending")
+        entry.state = _IN_FLIGHT
+        entry.worker = worker
+        entry.sent_at_s = self._clock()
+        self._pending -= 1
+        self._worker_dict(worker)[uid] = entry
+        return entry
 
     # --- introspection ------------------------------------------------------------------
+    def get(self, uid: int) -> LedgerEntry | None:
+        return self._entries.get(uid)
+
+    def __contains__(self, uid: object) -> bool:
+        return uid in self._entries
+
     def __len__(self) -> int:
-        """Events not yet confirmed."""
-        return self._unconfirmed
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._sends
-
-    def get(self, key: Hashable) -> Send | None:
-        return self._sends.get(key)
+        return len(self._entries)
 
     def in_flight(self, worker: Hashable) -> int:
-        """Events ``worker`` holds (sent, unconfirmed)."""
-        wsends = self._worker_sends.get(worker)
-        return sum(s.n for s in wsends.values()) if wsends else 0
+        """How many unconfirmed events ``worker`` holds."""
+        wdict = self._by_worker.get(worker)
+        return len(wdict) if wdict else 0
+
+    def entries(self) -> list[LedgerEntry]:
+        """All unconfirmed entries in position order (a copy)."""
+        return [e for e in self._order if e.state is not _CONFIRMED]
 
     def statistics(self) -> LedgerStatistics:
+        n = len(self._entries)
         return LedgerStatistics(
-            unconfirmed=self._unconfirmed,
+            in_flight=n - self._pending - self._poisoned_pending,
+            pending=self._pending,
+            poisoned_pending=self._poisoned_pending,
+            unconfirmed=n,
             max_unconfirmed=self._max_unconfirmed,
-            pending=self._n_pending,
-            poisoned_waiting=sum(1 for e in self._poisoned_q if e.state is _POISONED),
-            sends=self._n_sends,
             added=self._added,
             confirmed=self._confirmed,
             duplicate_confirms=self._duplicate_confirms,
             unknown_confirms=self._unknown_confirms,
-            retries=self._retries,
+            requeued=self._requeued,
             failures=self._failures,
             timeouts=self._timeouts,
-            workers_lost=self._workers_lost,
             poisoned=self._poisoned,
             checkpoint_position=self.checkpoint_position(),
         )
 
     def __repr__(self) -> str:
         return (
-            f"<Ledger unconfirmed={self._unconfirmed} sends={len(self._sends)} "
-            f"pending={self._n_pending} checkpoint={self.checkpoint_position()}>"
+            f"<Ledger unconfirmed={len(self._entries)} pending={self._pending} "
+            f"poisoned={self._poisoned_pending} checkpoint={self.checkpoint_position()}>"
         )
 
     # --- internals ----------------------------------------------------------------------
-    def _record(self, send: Send) -> None:
-        if self._sends.setdefault(send.key, send) is not send:
-            raise InternalError(f"ledger: send key {send.key!r} used twice")
-        self._n_sends += 1
-        self._unconfirmed += send.n
-        if self._unconfirmed > self._max_unconfirmed:
-            self._max_unconfirmed = self._unconfirmed
-        if send.worker is not None:
-            worker = send.worker
-            q = self._by_worker.get(worker)
-            if q is None:
-                q = self._by_worker[worker] = deque()
-                self._worker_sends[worker] = {}
-            q.append(send)
-            self._worker_sends[worker][send.key] = send
+    def _worker_dict(self, worker: Hashable) -> dict[int, LedgerEntry]:
+        wdict = self._by_worker.get(worker)
+        if wdict is None:
+            wdict = self._by_worker[worker] = {}
+        return wdict
 
-    def _send_entries(
-        self, key: Hashable, worker: Hashable | None, entries: list[LedgerEntry], now: float | None
-    ) -> Send:
-        attempt = max((e.attempt for e in entries), default=1)
-        send = Send(key, worker, self._clock() if now is None else now, attempt, -1, 0)
-        send.entries = entries
-        send.frames = [e.frames for e in entries]
-        for e in entries:
-            e.state = _IN_FLIGHT
-        self._record(send)
-        send.n = len(entries)  # after _record: these events are counted already
-        return send
-
-    def _take_entries(self, send: Send) -> list[LedgerEntry]:
-        """The unconfirmed events of a send that is being taken back, as entries."""
-        if send.entries is not None:
-            entries = [e for e in send.entries if e.state is _IN_FLIGHT]
-        else:
-            detached = send.detached or ()
-            entries = [
-                LedgerEntry(uid, frames, send.attempt, send)
-                for uid, frames in zip(send.uid_list(), send.frames, strict=True)
-                if uid not in detached
-            ]
-        send.entries = entries
-        send.frames = ()
-        send.n = 0
-        return entries
-
-    def _charge(self, entry: LedgerEntry, failure: Failure, attempt: int) -> None:
+    def _charge(self, entry: LedgerEntry, failure: Failure) -> None:
         self._failures += 1
         if failure.kind == "timeout":
             self._timeouts += 1
         entry.failures += 1
-        entry.reasons += (f"attempt {attempt}: {failure}",)
+        entry.reasons += (f"attempt {entry.attempt}: {failure}",)
         if entry.failures >= self.max_attempts:
             entry.state = _POISONED
-            entry.attempt = attempt
+            entry.worker = None
             self._poisoned += 1
-            self._poisoned_q.append(entry)
+            self._poisoned_pending += 1
         else:
             entry.isolate = True  # its next failure should be its own
-            self._to_pending(entry)
+            self._back_to_pending(entry)
 
-    def _to_pending(self, entry: LedgerEntry) -> None:
+    def _back_to_pending(self, entry: LedgerEntry) -> None:
         entry.state = _PENDING
-        self._n_pending += 1
-        (self._isolated if entry.isolate else self._pending).append(entry)
+        entry.worker = None
+        entry.attempt += 1
+        self._pending += 1
+        self._requeued += 1

@@ -103,8 +103,10 @@ def main() -> None:
     parser.add_argument("--fsync", action="store_true", help="fsync at every writer's close")
     args = parser.parse_args()
     sizes = [1_000, 100_000, 1_000_000]
-    print(f"record files vs raw file I/O, {args.total_mb} MB per size, best of {args.repeats}"
-          f"{', fsync on close' if args.fsync else ', page cache'}; GB/s of encoded events")
+    print(
+        f"record files vs raw file I/O, {args.total_mb} MB per size, best of {args.repeats}"
+        f"{', fsync on close' if args.fsync else ', page cache'}; GB/s of encoded events"
+    )
     head = (
         f"{'event':>8} {'n':>7} | {'raw write':>9} {'record':>7} {'ratio':>6} {'+encode':>8} |"
         f" {'raw read':>8} {'record':>7} {'ratio':>6} {'+decode':>8}"

@@ -44,6 +44,10 @@ def frames_nbytes(frames: Sequence[Any]) -> int:
 def pack_batch(encoded: Sequence[Sequence[Any]], header: dict[str, Any], packed: bool) -> list[Any]:
     """Fill ``header`` (``n``, ``p``, ``l``) and return the payload frames of a batch."""
     counts = [len(fr) for fr in encoded]
+    if not counts:  # every event of the batch was dropped: no payload at all
+        header["n"] = b""
+        header["p"] = packed
+        return []
     header["n"] = np.array(counts, dtype=np.uint16).tobytes()
     header["p"] = packed
     flat = [f for fr in encoded for f in fr]
@@ -59,6 +63,8 @@ def pack_batch(encoded: Sequence[Sequence[Any]], header: dict[str, Any], packed:
 def unpack_batch(header: dict[str, Any], payload: Sequence[Any]) -> list[list[Any]]:
     """The per-event frame lists of a batch (memoryviews into the received frames)."""
     counts = np.frombuffer(header["n"], dtype=np.uint16).tolist()
+    if not counts:
+        return []
     if header["p"]:
         blob = memoryview(payload[0])
         lengths = np.frombuffer(header["l"], dtype=np.uint32)

@@ -1,0 +1,541 @@
+"""``Device``: one process with FairMQ's state machine, named channels and user hooks.
+
+Subclasses override hooks; the framework owns the wrappers that call them, each inside
+try/except so that an exception ends in ERROR (and is logged with its traceback):
+
+=================  =========================================================
+state              what runs
+=================  =========================================================
+COMPLETE_INIT      ``init()``
+BINDING            channels with a bind endpoint are opened, then ``bind()``
+CONNECTING         the other channels are opened, then ``connect()``
+INITIALIZING_TASK  ``init_task()``
+RUNNING            ``pre_run()``; ``conditional_run()`` in a loop (at ``rate_hz``
+                   when set) or the ``on_data`` handlers; ``post_run()``
+RESETTING_TASK     ``reset_task()``
+RESETTING_DEVICE   ``reset()``, then every channel is closed (ipc files removed)
+=================  =========================================================
+
+The RUNNING loop ends when ``conditional_run`` or a handler returns False, after
+``max_iterations`` calls/messages, or on a STOP/shutdown request; the device then
+takes STOP itself. Requests from other threads (bus, stdin, signals) only set flags or
+queue transitions; all hooks run in the thread that called :meth:`run`.
+
+Incoming messages are decoded with the wire protocol; malformed ones are counted per
+channel (``BadMessageCounter``) and dropped, never raised.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import zmq
+
+from evflow.errors import ConfigurationError, ParameterError, StateTransitionError
+from evflow.processing.module import REQUIRED, Param
+from evflow.runtime.states import (
+    SHUTDOWN_STEP,
+    STARTUP_SEQUENCE,
+    State,
+    StateMachine,
+    Transition,
+)
+from evflow.transport.channel import Channel, ChannelConfig, open_channel
+from evflow.wire.messages import BadMessageCounter, Message, MsgType, encode_message
+
+log = logging.getLogger("evflow.device")
+
+#: socket types whose peer can answer on the same socket
+BIDIRECTIONAL = frozenset({"pair", "dealer", "router", "req", "rep"})
+#: how long the loops block before looking at flags and timers (ms)
+POLL_INTERVAL_MS = 100
+#: messages taken from one socket before the others get a turn
+DRAIN_BATCH = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Where a message came from: the channel and, on ROUTER channels, the peer identity."""
+
+    channel: Channel
+    peer: bytes | None = None
+
+
+Handler = Callable[[Message, Origin], "bool | None"]
+
+
+class Device:
+    """Base class of devices; see the module docstring for hooks and states.
+
+    ``channels`` are configs (several with one name make sub-channels); ``params`` are
+    values for the class's declared ``Param`` attributes. ``bus`` is an optional object
+    with ``publish_state(device, old, new)`` / ``publish_metrics(device)`` / ``poll(device)``
+    called by the device (see :meth:`attach_bus`).
+    """
+
+    #: one-line description shown by ``evflow device CLASS --help``
+    description: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        id: str = "",
+        channels: Sequence[ChannelConfig] = (),
+        *,
+        session: str = "default",
+        rate_hz: float = 0.0,
+        max_iterations: int = 0,
+        context: zmq.Context[Any] | None = None,
+        **params: Any,
+    ) -> None:
+        self.id = id or type(self).__name__.lower()
+        self.session = session
+        self.rate_hz = float(rate_hz)
+        self.max_iterations = int(max_iterations)
+        if self.rate_hz < 0 or self.max_iterations < 0:
+            raise ConfigurationError(
+                f"device {self.id!r}: rate and max-iterations must be >= 0, "
+                f"got {rate_hz!r} and {max_iterations!r}"
+            )
+        self._own_context = context is None
+        self.context: zmq.Context[Any] = context if context is not None else zmq.Context()
+        self.channel_configs = list(channels)
+        self.channels: dict[str, list[Channel]] = {}
+        self.fsm = StateMachine(self.id)
+        self._handlers: dict[str, Handler] = {}
+        self._requests: queue.SimpleQueue[Transition] = queue.SimpleQueue()
+        self._loop_stop = False
+        self.shutdown_requested = False
+        self.iterations = 0
+        self.bad_messages: dict[str, BadMessageCounter] = {}
+        self._bus: Any = None
+        self.error: BaseException | None = None
+        self._next_tick = 0.0
+        self._rate_marks: dict[str, tuple[float, int, int, int, int]] = {}
+        self._params: dict[str, Any] = {}
+        self._set_params(params)
+
+    # --- parameters ----------------------------------------------------------------------
+    @classmethod
+    def declared_params(cls) -> dict[str, Param[Any]]:
+        found: dict[str, Param[Any]] = {}
+        for klass in reversed(cls.__mro__):
+            for key, value in vars(klass).items():
+                if isinstance(value, Param):
+                    found[key] = value
+        return found
+
+    def _set_params(self, params: dict[str, Any]) -> None:
+        declared = self.declared_params()
+        unknown = sorted(set(params) - set(declared))
+        if unknown:
+            known = ", ".join(sorted(declared)) or "none"
+            raise ParameterError(
+                f"device {self.id!r} has no parameter {unknown[0]!r} (known: {known})"
+            )
+        for name, spec in declared.items():
+            if name in params:
+                self._params[name] = spec.check(self.id, params[name])
+            elif spec.default is REQUIRED:
+                raise ParameterError(f"device {self.id!r}: parameter {name!r} is required")
+            else:
+                self._params[name] = spec.default
+
+    # --- hooks (override) ----------------------------------------------------------------
+    def init(self) -> None:
+        """Read configuration; channels are not open yet."""
+
+    def bind(self) -> None:
+        """After the bind channels are open."""
+
+    def connect(self) -> None:
+        """After the connect channels are open."""
+
+    def init_task(self) -> None:
+        """Prepare the task (register ``on_data`` handlers here or in ``init``)."""
+
+    def pre_run(self) -> None:
+        """Just before the RUNNING loop."""
+
+    def conditional_run(self) -> bool:
+        """One iteration of the loop; return False to stop. Not called unless overridden."""
+        return False
+
+    def post_run(self) -> None:
+        """After the RUNNING loop (also after a STOP request or an error in the loop)."""
+
+    def reset_task(self) -> None:
+        """Undo ``init_task``."""
+
+    def reset(self) -> None:
+        """Undo ``init``; the channels are closed right after this."""
+
+    # --- API for subclasses ------------------------------------------------------------
+    def on_data(self, channel: str, handler: Handler) -> None:
+        """Call ``handler(message, origin)`` for each message on every sub-channel of
+        ``channel``; a handler returning False stops the RUNNING loop."""
+        self._handlers[channel] = handler
+
+    def channel(self, name: str, index: int = 0) -> Channel:
+        try:
+            return self.channels[name][index]
+        except (KeyError, IndexError):
+            have = ", ".join(f"{n}[{len(c)}]" for n, c in self.channels.items()) or "none"
+            raise ConfigurationError(
+                f"device {self.id!r}: no channel {name!r} index {index} (open: {have}); "
+                f"give it with --channel-config name={name},..."
+            ) from None
+
+    def has_channel(self, name: str) -> bool:
+        return bool(self.channels.get(name)) or any(c.name == name for c in self.channel_configs)
+
+    def send(
+        self,
+        name: str,
+        type: MsgType,
+        header: dict[str, Any] | None = None,
+        payload: Sequence[Any] = (),
+        index: int = 0,
+    ) -> None:
+        """Encode and send one wire message on ``name[index]``."""
+        self.channel(name, index).send(encode_message(type, header, payload))
+
+    @property
+    def state(self) -> State:
+        return self.fsm.state
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.id!r} state={self.fsm.state}>"
+
+    # --- requests (thread-safe) --------------------------------------------------------
+    def request(self, transition: Transition) -> None:
+        """Queue ``transition`` for the driving thread; STOP/END while RUNNING end the loop.
+
+        END from any state other than IDLE asks for the orderly shutdown sequence.
+        """
+        if transition is Transition.AUTO:
+            raise StateTransitionError(f"{self.id}: AUTO is internal and cannot be requested")
+        if transition is Transition.END and self.fsm.state is not State.IDLE:
+            self.request_shutdown()
+            return
+        if transition is Transition.STOP and self.fsm.state is State.RUNNING:
+            self._loop_stop = True
+            return
+        self._requests.put(transition)
+
+    def request_shutdown(self) -> None:
+        """Orderly way out from any state (safe to call from a signal handler)."""
+        self.shutdown_requested = True
+        self._loop_stop = True
+
+    # --- driving the machine -----------------------------------------------------------
+    def run(self, control: str = "static") -> int:
+        """Drive the machine until EXITING or ERROR; return 0 or 1 (error).
+
+        ``static``: INIT_DEVICE ... RUN, then after the loop RESET_TASK, RESET_DEVICE, END.
+        ``interactive``: wait for :meth:`request` (stdin, bus); shutdown requests win.
+        """
+        if control not in ("static", "interactive"):
+            raise ConfigurationError(f"unknown control {control!r}; expected static or interactive")
+        pending = list(STARTUP_SEQUENCE) if control == "static" else []
+        try:
+            while self.fsm.state not in (State.EXITING, State.ERROR):
+                self._tick()
+                if self.shutdown_requested or (control == "static" and not pending):
+                    step = SHUTDOWN_STEP[self.fsm.state]
+                    if step is None:  # cannot happen: -ING states are left inside step()
+                        break
+                    self.step(step)
+                elif pending:
+                    self.step(pending.pop(0))
+                else:
+                    try:
+                        transition = self._requests.get(timeout=POLL_INTERVAL_MS / 1000)
+                    except queue.Empty:
+                        continue
+                    self.step(transition)
+        except BaseException:  # a second signal: leave fast, but still clean up
+            self.close_channels(linger_ms=0)
+            raise
+        finally:
+            self.close_channels(linger_ms=0 if self.fsm.state is State.ERROR else None)
+            if self._own_context:
+                self.context.term()
+        return 1 if self.fsm.state is State.ERROR else 0
+
+    def step(self, transition: Transition) -> bool:
+        """Take ``transition`` now (driving thread only), run the hooks of the state it
+        leads to and the AUTO moves after it. False (logged) if not allowed."""
+        state = self.fsm.state
+        completing = transition is Transition.COMPLETE_INIT
+        if completing and state is State.INITIALIZING_DEVICE and not self._call(self.init, "init"):
+            return True
+        if not self.fsm.change_state(transition):
+            return False
+        work = _WORK.get(self.fsm.state)
+        if work is not None and work(self):
+            self.fsm.change_state(
+                Transition.AUTO if self.fsm.state is not State.RUNNING else Transition.STOP
+            )
+        return True
+
+    def _call(self, hook: Callable[[], Any], name: str) -> bool:
+        """Run a hook; on an exception log it with its traceback, go to ERROR, return False."""
+        try:
+            hook()
+            return True
+        except Exception as exc:
+            log.error(
+                "device %s: %s() raised %s: %s\n%s",
+                self.id,
+                name,
+                type(exc).__name__,
+                exc,
+                traceback.format_exc(),
+            )
+            self.error = exc
+            self.fsm.change_state(Transition.ERROR_FOUND)
+            return False
+
+    def _open(self, binding: bool) -> None:
+        counts: dict[str, int] = {}
+        for cfg in self.channel_configs:
+            index = counts.get(cfg.name, 0)
+            counts[cfg.name] = index + 1
+            is_bind = any((ep.method or cfg.method) == "bind" for ep in cfg.endpoints)
+            if is_bind != binding:
+                continue
+            ch = open_channel(self.context, cfg, self.session, index)
+            subs = self.channels.setdefault(cfg.name, [])
+            subs.append(ch)
+            subs.sort(key=lambda c: c.index)
+            self.bad_messages[ch.label] = BadMessageCounter(f"{self.id}/{ch.label}", log)
+
+    def _do_binding(self) -> bool:
+        self.channels = {}
+        self._rate_marks = {}
+        return self._call(lambda: self._open(binding=True), "bind channels") and self._call(
+            self.bind, "bind"
+        )
+
+    def _do_connecting(self) -> bool:
+        return self._call(lambda: self._open(binding=False), "connect channels") and self._call(
+            self.connect, "connect"
+        )
+
+    def _do_init_task(self) -> bool:
+        return self._call(self.init_task, "init_task")
+
+    def _do_reset_task(self) -> bool:
+        return self._call(self.reset_task, "reset_task")
+
+    def _do_reset_device(self) -> bool:
+        ok = self._call(self.reset, "reset")
+        self.close_channels()
+        return ok
+
+    def _do_running(self) -> bool:
+        self._loop_stop = self.shutdown_requested
+        self.iterations = 0
+        if not self._call(self.pre_run, "pre_run"):
+            return False
+        if type(self).conditional_run is not Device.conditional_run:
+            loop, name = self._conditional_loop, "conditional_run"
+        elif self._handlers:
+            loop, name = self._data_loop, "on_data handler"
+        else:
+            loop, name = self._idle_loop, "run"
+        ok = self._call(loop, name)
+        if self.fsm.state is State.ERROR:
+            self._call(self.post_run, "post_run")
+            return False
+        return self._call(self.post_run, "post_run") and ok
+
+    # --- the RUNNING loops ---------------------------------------------------------------
+    def _conditional_loop(self) -> None:
+        period_s = 1.0 / self.rate_hz if self.rate_hz else 0.0
+        limit = self.max_iterations
+        next_s = time.monotonic()
+        run = self.conditional_run
+        while not self._loop_stop:
+            if not run():
+                break
+            self.iterations += 1
+            if limit and self.iterations >= limit:
+                break
+            if period_s:
+                next_s += period_s
+                self._sleep_until(next_s)
+            elif self.iterations & 255 == 0:
+                self._tick()
+
+    def _sleep_until(self, deadline_s: float) -> None:
+        while not self._loop_stop:
+            now = time.monotonic()
+            if now >= deadline_s:
+                return
+            self._tick(now)
+            time.sleep(min(deadline_s - now, POLL_INTERVAL_MS / 1000))
+
+    def _idle_loop(self) -> None:
+        while not self._loop_stop:
+            self._tick()
+            time.sleep(POLL_INTERVAL_MS / 1000)
+
+    def _data_loop(self) -> None:
+        poller = zmq.Poller()
+        targets: dict[Any, tuple[Channel, Handler, BadMessageCounter, Origin]] = {}
+        for name, handler in self._handlers.items():
+            for ch in self.channel_list(name):
+                poller.register(ch.socket, zmq.POLLIN)
+                targets[ch.socket] = (ch, handler, self.bad_messages[ch.label], Origin(ch))
+        limit = self.max_iterations
+        noblock = zmq.NOBLOCK
+        while not self._loop_stop:
+            self._tick()
+            for sock, _ in poller.poll(POLL_INTERVAL_MS):
+                ch, handler, bad, origin = targets[sock]
+                router = ch.type == "router"
+                for _ in range(DRAIN_BATCH):
+                    try:
+                        frames = ch.recv(noblock)
+                    except zmq.Again:
+                        break
+                    if router:
+                        if len(frames) < 2:
+                            bad.record("short", "routed message without identity")
+                            continue
+                        origin = Origin(ch, frames[0].bytes)
+                        frames = frames[1:]
+                    msg = bad.decode(frames)
+                    if msg is None:
+                        if ch.type == "rep":  # REP must answer before it can receive again
+                            ch.send(encode_message(MsgType.REPLY, {"error": "bad message"}))
+                        continue
+                    self.iterations += 1
+                    sent_before = ch.messages_out
+                    result = handler(msg, origin)
+                    if ch.type == "rep" and ch.messages_out == sent_before:
+                        ch.send(encode_message(MsgType.ACK))  # the handler did not answer
+                    if result is False or (limit and self.iterations >= limit):
+                        self._loop_stop = True
+                        break
+                if self._loop_stop:
+                    break
+
+    def channel_list(self, name: str) -> list[Channel]:
+        if name not in self.channels:
+            self.channel(name)  # raises the clear error
+        return self.channels[name]
+
+    # --- timers: rate logging and the bus ------------------------------------------------
+    def _tick(self, now_s: float | None = None) -> None:
+        now_s = time.monotonic() if now_s is None else now_s
+        if now_s < self._next_tick:
+            return
+        self._next_tick = now_s + 1.0
+        self._log_rates(now_s)
+        if self._bus is not None:
+            try:
+                self._bus.publish_metrics(self)
+                self._bus.poll(self)
+            except Exception:
+                log.exception("device %s: bus client failed", self.id)
+
+    def _log_rates(self, now_s: float) -> None:
+        for subs in self.channels.values():
+            for ch in subs:
+                every_s = ch.config.rateLogging
+                if not every_s or ch.closed:
+                    continue
+                mark = self._rate_marks.get(ch.label)
+                counts = (ch.messages_in, ch.bytes_in, ch.messages_out, ch.bytes_out)
+                if mark is None:
+                    self._rate_marks[ch.label] = (now_s, *counts)
+                    continue
+                dt = now_s - mark[0]
+                if dt < every_s:
+                    continue
+                d = [c - m for c, m in zip(counts, mark[1:], strict=True)]
+                if any(d):
+                    log.info(
+                        "%s %s: in %.0f msg/s %.3f MB/s, out %.0f msg/s %.3f MB/s",
+                        self.id,
+                        ch.label,
+                        d[0] / dt,
+                        d[1] / dt / 1e6,
+                        d[2] / dt,
+                        d[3] / dt / 1e6,
+                    )
+                self._rate_marks[ch.label] = (now_s, *counts)
+
+    def attach_bus(self, bus: Any) -> None:
+        """Plug in a control-bus client; it hears every state change and, once a second,
+        may publish metrics and handle commands (it calls :meth:`request`)."""
+        self._bus = bus
+        self.fsm.subscribe(lambda old, new, tr: bus.publish_state(self, old, new))
+
+    # --- introspection -------------------------------------------------------------------
+    def metrics(self) -> dict[str, Any]:
+        """A JSON-able snapshot: state, pid, iterations, per-channel counters, bad messages."""
+        channels = {}
+        totals = {"messages_in": 0, "messages_out": 0, "bytes_in": 0, "bytes_out": 0}
+        for subs in self.channels.values():
+            for ch in subs:
+                st = ch.statistics()
+                entry = {
+                    "type": st.type,
+                    "messages_in": st.messages_in,
+                    "messages_out": st.messages_out,
+                    "bytes_in": st.bytes_in,
+                    "bytes_out": st.bytes_out,
+                    "rcv_hwm": ch.config.rcvBufSize,
+                    "snd_hwm": ch.config.sndBufSize,
+                }
+                channels[ch.label] = entry
+                for key in totals:
+                    totals[key] += entry[key]  # type: ignore[operator]
+        bad: dict[str, int] = {}
+        for counter in self.bad_messages.values():
+            for kind, n in counter.counts.items():
+                bad[kind] = bad.get(kind, 0) + n
+        return {
+            "node_id": self.id,
+            "node_state": str(self.fsm.state),
+            "pid": os.getpid(),
+            "iterations": self.iterations,
+            **totals,
+            "channels": channels,
+            "bad_messages": sum(bad.values()),
+            "bad_message_kinds": bad,
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """What ``--stats-file`` gets at exit: :meth:`metrics` (subclasses add results)."""
+        return self.metrics()
+
+    def close_channels(self, linger_ms: int | None = None) -> None:
+        """Close every open channel (idempotent); removes the ipc files we bound.
+
+        Closed channels stay in ``channels`` so their counters remain readable; the next
+        BINDING starts afresh.
+        """
+        for subs in self.channels.values():
+            for ch in subs:
+                ch.close(linger_ms)
+
+
+_WORK: dict[State, Callable[[Device], bool]] = {
+    State.BINDING: Device._do_binding,
+    State.CONNECTING: Device._do_connecting,
+    State.INITIALIZING_TASK: Device._do_init_task,
+    State.RUNNING: Device._do_running,
+    State.RESETTING_TASK: Device._do_reset_task,
+    State.RESETTING_DEVICE: Device._do_reset_device,
+}

@@ -1,0 +1,19 @@
+"""Built-in devices, runnable with ``evflow device NAME``.
+
+All carry wire-protocol messages (EVENTS with the data as payload) and end a stream
+with an END message that carries the count, acknowledged by the receiver (ACK) before
+the sender closes: end of stream is a message, never a closed socket.
+"""
+
+from __future__ import annotations
+
+#: name -> "module:Class", imported on demand
+BUILTIN_DEVICES: dict[str, str] = {
+    "sampler": "evflow.runtime.devices.sampler:Sampler",
+    "sink": "evflow.runtime.devices.sink:Sink",
+    "splitter": "evflow.runtime.devices.forward:Splitter",
+    "merger": "evflow.runtime.devices.forward:Merger",
+    "proxy": "evflow.runtime.devices.forward:Proxy",
+}
+
+__all__ = ["BUILTIN_DEVICES"]

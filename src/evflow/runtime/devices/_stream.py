@@ -1,0 +1,101 @@
+"""End of stream between devices: END with a count, answered by ACK.
+
+Acknowledgements travel back on the data channel itself when its socket type can
+answer (pair, dealer, router), otherwise on a channel named ``<data channel>-ack``
+(e.g. a sink's ``data-ack`` push socket connected to the sampler's ``data-ack`` pull
+socket). ACKs carry ``to`` (the END sender's id) so that a shared ack socket can be
+fanned in, or a pub/sub ack channel fanned out.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import zmq
+
+from evflow.runtime.device import BIDIRECTIONAL, Device, Origin
+from evflow.transport.channel import Channel
+from evflow.wire.messages import Message, MsgType, encode_message
+
+log = logging.getLogger("evflow.device")
+
+ACK_SUFFIX = "-ack"
+
+
+def send_end(dev: Device, name: str, index: int, count: int, **extra: Any) -> None:
+    """Send END with ``count`` (messages sent on this sub-channel) and our id."""
+    dev.send(name, MsgType.END, {"count": count, "from": dev.id, **extra}, index=index)
+
+
+def ack_sources(dev: Device, name: str) -> list[Channel]:
+    """The channels on which ACKs for END sent on ``name`` arrive (may be empty)."""
+    subs = dev.channel_list(name)
+    if subs and subs[0].type in BIDIRECTIONAL:
+        return subs
+    if dev.channels.get(name + ACK_SUFFIX):
+        return dev.channel_list(name + ACK_SUFFIX)
+    return []
+
+
+def wait_for_acks(dev: Device, name: str, expected: int, timeout_s: float) -> int:
+    """Wait until ``expected`` ACKs addressed to us arrived; return how many did."""
+    sources = ack_sources(dev, name)
+    if not sources:
+        log.warning(
+            "%s: END on %r is not acknowledged (socket type %s cannot answer and there is no "
+            "%r channel); the last messages may be lost if the peer is slow",
+            dev.id,
+            name,
+            dev.channel(name).type,
+            name + ACK_SUFFIX,
+        )
+        return 0
+    poller = zmq.Poller()
+    for ch in sources:
+        poller.register(ch.socket, zmq.POLLIN)
+    by_socket = {ch.socket: ch for ch in sources}
+    got = 0
+    deadline = time.monotonic() + timeout_s
+    while got < expected:
+        left_ms = int((deadline - time.monotonic()) * 1000)
+        if left_ms <= 0:
+            log.error(
+                "%s: only %d of %d END acknowledgements on %r within %.1f s",
+                dev.id,
+                got,
+                expected,
+                name,
+                timeout_s,
+            )
+            break
+        for sock, _ in poller.poll(min(left_ms, 100)):
+            ch = by_socket[sock]
+            frames = ch.recv()
+            if ch.type == "router":
+                frames = frames[1:]
+            msg = dev.bad_messages[ch.label].decode(frames)
+            if msg is None or msg.type is not MsgType.ACK:
+                continue
+            if msg.header.get("to", dev.id) == dev.id:
+                got += 1
+    return got
+
+
+def acknowledge(dev: Device, msg: Message, origin: Origin, **extra: Any) -> bool:
+    """Answer an END with ACK on the way it can travel back; False if there is none."""
+    header = {"to": msg.header.get("from", ""), "from": dev.id, **extra}
+    frames = encode_message(MsgType.ACK, header)
+    ch = origin.channel
+    if ch.type in BIDIRECTIONAL:
+        ch.send([origin.peer, *frames] if ch.type == "router" else frames)
+        return True
+    acks = dev.channels.get(ch.name + ACK_SUFFIX)
+    if acks:
+        acks[min(ch.index, len(acks) - 1)].send(frames)
+        return True
+    log.debug(
+        "%s: cannot acknowledge END on %s (no %r channel)", dev.id, ch.label, ch.name + ACK_SUFFIX
+    )
+    return False

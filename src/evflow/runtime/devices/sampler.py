@@ -1,0 +1,63 @@
+"""``sampler``: sends messages of ``msg_size`` bytes (N = ``--max-iterations``, at
+``--rate`` Hz when set), then END with the count, and waits for its ACK."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from evflow.processing.module import Param
+from evflow.runtime.device import Device
+from evflow.runtime.devices._stream import send_end, wait_for_acks
+from evflow.wire.messages import MsgType, encode_message
+
+log = logging.getLogger("evflow.device")
+
+
+class Sampler(Device):
+    description = "sends N messages of S bytes at rate R, then END with the count"
+
+    msg_size = Param(int, 1000, "payload bytes per message")
+    channel_name = Param(str, "data", "output channel")
+    ack_timeout_s = Param(float, 10.0, "how long to wait for the END acknowledgement (s)")
+
+    def init_task(self) -> None:
+        if self.msg_size < 0:
+            raise ValueError(f"msg_size must be >= 0, got {self.msg_size}")
+        # random bytes: nothing on the way can compress them; one buffer, sent zero-copy
+        self._frames = encode_message(MsgType.EVENTS, None, (os.urandom(self.msg_size),))
+        self._out = self.channel(self.channel_name)
+        self.sent = 0
+        self.acked = 0
+
+    def pre_run(self) -> None:
+        self._t0 = time.monotonic()
+
+    def conditional_run(self) -> bool:
+        self._out.send(self._frames)
+        self.sent += 1
+        return True
+
+    def post_run(self) -> None:
+        self.elapsed_s = time.monotonic() - self._t0
+        send_end(self, self.channel_name, 0, self.sent)
+        self.acked = wait_for_acks(self, self.channel_name, 1, self.ack_timeout_s)
+        log.info(
+            "%s: sent %d messages of %d B in %.3f s",
+            self.id,
+            self.sent,
+            self.msg_size,
+            self.elapsed_s,
+        )
+
+    def summary(self) -> dict[str, Any]:
+        out = self.metrics()
+        out["sampler"] = {
+            "sent": getattr(self, "sent", 0),
+            "acked": getattr(self, "acked", 0),
+            "msg_size": self.msg_size,
+            "elapsed_s": getattr(self, "elapsed_s", 0.0),
+        }
+        return out

@@ -1,0 +1,89 @@
+"""``sink``: counts and measures EVENTS messages; checks the counts announced by END.
+
+The sink stops after one END per input (``inputs``, default one per sub-channel of its
+data channel). If every END arrived and the counts differ, post_run raises so the
+device ends in ERROR: data loss is never silent.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from evflow.errors import PeerLostError
+from evflow.processing.module import Param
+from evflow.runtime.device import Device, Origin
+from evflow.runtime.devices._stream import acknowledge
+from evflow.wire.messages import Message, MsgType
+
+log = logging.getLogger("evflow.device")
+
+
+class Sink(Device):
+    description = "counts and measures messages; checks the counts announced by END"
+
+    channel_name = Param(str, "data", "input channel")
+    inputs = Param(int, 0, "END messages to wait for (0 = one per sub-channel)")
+
+    def init_task(self) -> None:
+        self.received = 0
+        self.payload_bytes = 0
+        self.announced = 0
+        self.ends = 0
+        self.other = 0
+        self._t_first = 0.0
+        self._t_last = 0.0
+        self._needed = self.inputs or len(self.channel_list(self.channel_name))
+        self.on_data(self.channel_name, self._handle)
+
+    def _handle(self, msg: Message, origin: Origin) -> bool:
+        if msg.type is MsgType.EVENTS:
+            if not self.received:
+                self._t_first = time.monotonic()
+            self.received += 1
+            for frame in msg.payload:
+                self.payload_bytes += len(frame)
+            return True
+        if msg.type is MsgType.END:
+            self._t_last = time.monotonic()
+            count = msg.header.get("count")
+            self.announced += count if isinstance(count, int) else 0
+            self.ends += 1
+            acknowledge(self, msg, origin, count=self.received)
+            return self.ends < self._needed
+        self.other += 1
+        return True
+
+    def post_run(self) -> None:
+        log.info(
+            "%s: received %d of %d announced messages, %d B, %d of %d END",
+            self.id,
+            self.received,
+            self.announced,
+            self.payload_bytes,
+            self.ends,
+            self._needed,
+        )
+        if self.ends >= self._needed and self.received != self.announced:
+            raise PeerLostError(
+                f"sink {self.id!r}: received {self.received} messages but the senders "
+                f"announced {self.announced}"
+            )
+
+    def summary(self) -> dict[str, Any]:
+        out = self.metrics()
+        received = getattr(self, "received", 0)
+        elapsed = max(getattr(self, "_t_last", 0.0) - getattr(self, "_t_first", 0.0), 0.0)
+        nbytes = getattr(self, "payload_bytes", 0)
+        out["sink"] = {
+            "received": received,
+            "announced": getattr(self, "announced", 0),
+            "ends": getattr(self, "ends", 0),
+            "other": getattr(self, "other", 0),
+            "payload_bytes": nbytes,
+            "elapsed_s": elapsed,
+            "msg_per_s": received / elapsed if elapsed else 0.0,
+            "gb_per_s": nbytes / elapsed / 1e9 if elapsed else 0.0,
+        }
+        return out

@@ -1,0 +1,78 @@
+"""Helpers to run ``evflow device`` processes in tests (always reaped, never hanging)."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+TESTS_DIR = Path(__file__).parent
+
+
+def device_cmd(cls: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "evflow", "device", cls, *args]
+
+
+def start_device(cls: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        [str(TESTS_DIR), *filter(None, [full_env.get("PYTHONPATH")])]
+    )
+    full_env.update(env or {})
+    return subprocess.Popen(
+        device_cmd(cls, *args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=full_env,
+    )
+
+
+def finish(proc: subprocess.Popen[str], timeout_s: float = 60) -> tuple[int, str, str]:
+    """Wait for ``proc`` (kill it after ``timeout_s``); return (code, stdout, stderr)."""
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"device did not finish in {timeout_s} s; stderr:\n{err}") from None
+    return proc.returncode, _early.pop(proc.pid, "") + out, err
+
+
+def read_stats(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+_early: dict[int, str] = {}
+
+
+def wait_for_line(proc: subprocess.Popen[str], wanted: str, timeout_s: float = 20) -> list[str]:
+    """Read stdout lines until one equals ``wanted`` (bounded by ``timeout_s``); return them.
+
+    Reads the raw pipe with select so that it cannot block past the deadline; what it
+    read is given back by :func:`finish`.
+    """
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    buf = ""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.1)
+        if not ready:
+            continue
+        chunk = os.read(fd, 65536).decode()
+        if not chunk:
+            break
+        buf += chunk
+        lines = buf.split("\n")
+        if wanted in lines[:-1]:
+            _early[proc.pid] = _early.get(proc.pid, "") + buf
+            return [line.strip() for line in lines[:-1]]
+    proc.kill()
+    _, err = proc.communicate()
+    raise AssertionError(f"never saw {wanted!r}; stdout {buf!r}; stderr {err[-2000:]}")

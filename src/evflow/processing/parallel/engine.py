@@ -90,6 +90,9 @@ class Parent:
         self.lost: list[str] = []
         self.generation: dict[int, int] = {}
         self.done_at = 0.0
+        self.started_at = 0.0  # wall clock (s) of the run's start, for start-up figures
+        self.worker_hellos = 0
+        self.all_ready_at = 0.0
         self.bad = BadMessageCounter("parallel parent")
 
     # --- life cycle ---------------------------------------------------------------------
@@ -100,6 +103,7 @@ class Parent:
         ctx: zmq.Context[Any] | None = None
         ctl = None
         start = time.monotonic()
+        self.started_at = time.time()
         try:
             ctx = zmq.Context()
             ctl = channel(ctx, self.session, "ctl", "router", "bind")
@@ -193,6 +197,10 @@ class Parent:
             name = str(msg.header.get("name", ""))
             if msg.type == MsgType.HELLO:
                 self.ids[name] = frames[0]
+                if name.startswith("worker"):
+                    self.worker_hellos += 1
+                    if self.worker_hellos == self.n_workers:
+                        self.all_ready_at = time.time()
                 if name == "input" and self.signals and not self.hard:
                     self._send("input", MsgType.STOP)
                     self.stop_sent = True
@@ -296,6 +304,18 @@ class Parent:
         skipped = sorted(set(out_header.get("skipped", [])))
         if skipped:
             counters["persistent objects not merged"] = len(skipped)
+        firsts = [
+            float(h.get("first_event_at", 0))
+            for role, (h, _) in self.results.items()
+            if role.startswith("worker") and h.get("first_event_at")
+        ]
+        if firsts:
+            counters["start-up to first event (s)"] = round(min(firsts) - self.started_at, 4)
+        if self.all_ready_at:
+            counters["start-up of all workers (s)"] = round(self.all_ready_at - self.started_at, 4)
+        for role, head in (("input", inp), ("output", out_header)):
+            if "cpu_s" in head:
+                counters[f"{role} CPU (s)"] = round(float(head["cpu_s"]), 4)
         bad = int(inp.get("bad", 0)) + int(out_header.get("bad", 0)) + self.bad.total
         if bad:
             counters["malformed messages"] = bad

@@ -286,6 +286,7 @@ class _Output:
             "skipped": skipped,
             "bad": self.bad.total,
             "input": self.end or {},
+            "cpu_s": time.process_time(),
         }
         self.ctl.send_multipart(encode_message(MsgType.RESULT, header, [head, *frames]))
         self.ctl.linger = 2000

@@ -79,6 +79,7 @@ class _Worker:
         self.event_buffer = event_buffer
         self.events_in = 0
         self.events_kept = 0
+        self.first_event_at = 0.0  # wall clock (s) when the first batch arrived
         self.bad = BadMessageCounter(f"worker {name}")
 
     def run(self) -> int:
@@ -122,6 +123,8 @@ class _Worker:
                     kept.append(frames)  # nothing changed: forward the received frames
                 else:
                     kept.append(encode_event(store))
+        if not self.first_event_at:
+            self.first_event_at = time.time()
         per_event_s = (time.perf_counter() - t0) / max(len(events), 1)
         out = {"b": header["b"], "a": attempt, "u": header["u"], "s": header["s"]}
         out["k"] = bytes(kept_mask)
@@ -150,7 +153,14 @@ class _Worker:
         self.ctl.send_multipart(
             encode_message(
                 MsgType.RESULT,
-                {"role": "worker", "name": self.name, "stats": stats, "in": self.events_in},
+                {
+                    "role": "worker",
+                    "name": self.name,
+                    "stats": stats,
+                    "in": self.events_in,
+                    "first_event_at": self.first_event_at,
+                    "cpu_s": time.process_time(),
+                },
             )
         )
         self.dealer.send_multipart(

@@ -99,6 +99,34 @@ def test_dead_worker_with_several_events_isolates_them_without_charging() -> Non
     assert e2.failures == 1 and e2.attempt == 3
 
 
+def test_with_progress_reports_only_the_current_message_is_blamed() -> None:
+    ledger, _ = make()
+    ledger.add_batch([(1, 0, ()), (2, 1, ())], "w")  # message 1: finished
+    ledger.add_batch([(3, 2, ())], "w")  # message 2: the one it dies on
+    ledger.add_batch([(4, 3, ()), (5, 4, ())], "w")  # message 3: not started
+    ledger.progress("w", n_events=2)
+    entries = {e.uid: e for e in ledger.requeue_worker("w", Failure.from_returncode(-11))}
+    assert entries[3].failures == 1 and entries[3].isolate
+    assert all(entries[u].failures == 0 and not entries[u].isolate for u in (1, 2, 4, 5))
+    assert all(e.attempt == 2 for e in entries.values())
+
+
+def test_with_progress_a_batch_that_kills_is_isolated_and_others_spared() -> None:
+    ledger, _ = make()
+    ledger.add_batch([(1, 0, ())], "w")
+    ledger.add_batch([(2, 1, ()), (3, 2, ())], "w")
+    ledger.add_batch([(4, 3, ())], "w")
+    ledger.progress("w", n_events=1)
+    entries = {e.uid: e for e in ledger.requeue_worker("w", Failure.from_returncode(-9))}
+    assert [u for u, e in sorted(entries.items()) if e.isolate] == [2, 3]
+    assert all(e.failures == 0 for e in entries.values())
+    # the worker that finished everything it held is not blamed at all
+    ledger.resend(2, "v")
+    ledger.progress("v", n_events=1)
+    (e2,) = ledger.requeue_worker("v", Failure.from_returncode(-9))
+    assert e2.failures == 0
+
+
 def test_poisoned_after_max_attempts_with_every_reason() -> None:
     ledger, _ = make(max_attempts=3)
     ledger.add(42, 0, "a", ())
@@ -224,6 +252,10 @@ class LedgerMachine(RuleBasedStateMachine):
             del self.model[uid]
         self.confirmed |= ours
 
+    @rule(worker=st.integers(0, 3), n=st.integers(1, 3))
+    def worker_reports_done(self, worker: int, n: int) -> None:
+        self.ledger.progress(worker, n_events=n)
+
     @rule(worker=st.integers(0, 3), signum=st.sampled_from([9, 11, 6]))
     def worker_dies(self, worker: int, signum: int) -> None:
         for e in self.ledger.requeue_worker(worker, Failure.from_returncode(-signum)):
@@ -261,7 +293,7 @@ class LedgerMachine(RuleBasedStateMachine):
         assert s.confirmed == len(self.confirmed)
         assert sum(ledger.in_flight(w) for w in range(4)) == s.in_flight
         for e in ledger.entries():
-            assert e.attempt <= 1 + e.failures + e.suspicions
+            assert e.failures <= e.attempt  # innocent retries raise attempt, not failures
             assert e.poisoned == (e.failures >= 3)
 
 

@@ -6,17 +6,20 @@ reference to its encoded frames (no copy); the output ``confirm``s uids in batch
 after it has written and flushed them. What is still in the ledger when a worker dies,
 times out or the output restarts is sent again with ``attempt + 1``.
 
-Blame. A worker holds up to ``event_buffer`` events, so when it dies we do not always
-know which event killed it. The rule: if the dead worker held exactly one unconfirmed
-event (or the engine names the culprit, e.g. for a Python exception), that event is
-charged a failure. Otherwise nobody is charged and every event of the worker comes
-back with ``isolate = True``: the engine should send such an event to a worker that
-holds nothing else, so that the next failure is charged exactly. As a safety net every
-second death an event is a suspect in is charged, so even with an engine that does not
-isolate, a poison event is quarantined after ``2 * max_attempts`` deaths. An event
-charged ``max_attempts`` failures is *poisoned*: it is not retried; the input sends it
-raw to the output to be written with ``FLAG_QUARANTINED`` and the reasons
-(``entry.reasons``).
+Blame. A worker holds up to ``event_buffer`` events, in several messages. When the
+caller reports finished work (``progress(worker, n_events=...)``, from the worker's
+READY credit) the ledger knows which message the worker was working on when it died:
+if that message held one event, the event is charged a failure; if it held several,
+they come back *isolated* (``isolate = True``: the input sends each alone to a worker
+holding nothing else, so that their next failure is charged exactly); the worker's
+other events come back uncharged. Without progress reports every event of a worker
+that held several is a suspect. A culprit named by the caller (``culprit_uid``) is
+charged alone. As a safety net every second death an event is a suspect in is
+charged, so a poison event is quarantined after ``2 * max_attempts`` deaths even if
+the isolation is not honoured. An event charged ``max_attempts`` failures is
+*poisoned*: it is not retried; the input sends it raw to the output to be written
+with ``FLAG_QUARANTINED`` and the reasons (``entry.reasons``). A Python exception in
+a module is charged to its event only (``fail``); the worker lives on.
 
 Cost per event: one dict insert and one delete by uid, one append to the per-worker
 dict, and an amortised O(1) pop from a deque of send order for the checkpoint
@@ -97,6 +100,7 @@ class LedgerEntry:
         "isolate",
         "position",
         "reasons",
+        "send",
         "sent_at_s",
         "state",
         "suspicions",
@@ -124,6 +128,7 @@ class LedgerEntry:
         self.suspicions = 0  # deaths it was in without being charged
         self.isolate = False  # send it to a worker holding nothing else
         self.reasons: tuple[str, ...] = ()  # why attempts failed, oldest first
+        self.send = 0  # number of the message it was last sent in (per ledger)
 
     @property
     def poisoned(self) -> bool:
@@ -190,6 +195,10 @@ class Ledger:
         self._entries: dict[int, LedgerEntry] = {}
         self._by_worker: dict[Hashable, dict[int, LedgerEntry]] = {}
         self._progress_s: dict[Hashable, float] = {}
+        # per worker, its messages not yet finished, in order: [send number, events]
+        self._unfinished: dict[Hashable, deque[list[int]]] = {}
+        self._tracking = False  # progress() has been told event counts (READY)
+        self._next_send = 1
         self._order: deque[LedgerEntry] = deque()  # send order = increasing position
         self._next_position = start_position
         # recently confirmed uids, two generations: tells duplicate confirms from unknown
@@ -226,6 +235,7 @@ class Ledger:
             uid, position, worker, self._clock() if now is None else now, attempt, frames
         )
         self._insert(entry, self._worker_dict(worker))
+        entry.send = self._new_send(worker, 1)
         n = len(self._entries)
         if n > self._max_unconfirmed:
             self._max_unconfirmed = n
@@ -247,8 +257,10 @@ class Ledger:
         entries, append = self._entries, self._order.append
         next_position = self._next_position
         count = 0
+        send = self._next_send
         for uid, position, frames in events:  # _insert, inlined: this is the hot loop
             entry = LedgerEntry(uid, position, worker, sent_at_s, 1, frames)
+            entry.send = send
             if position < next_position or entries.setdefault(uid, entry) is not entry:
                 self._next_position = next_position
                 self._added += count
@@ -259,6 +271,7 @@ class Ledger:
             count += 1
         self._next_position = next_position
         self._added += count
+        self._new_send(worker, count)
         n = len(self._entries)
         if n > self._max_unconfirmed:
             self._max_unconfirmed = n
@@ -324,9 +337,27 @@ class Ledger:
         return order[0].position if order else self._next_position
 
     # --- failures -----------------------------------------------------------------------
-    def progress(self, worker: Hashable, now: float | None = None) -> None:
-        """A sign of life from ``worker`` (e.g. new credit): restarts its timeout."""
+    def progress(
+        self, worker: Hashable, now: float | None = None, n_events: int | None = None
+    ) -> None:
+        """A sign of life from ``worker`` (e.g. new credit): restarts its timeout.
+
+        ``n_events``: the worker finished that many events (its READY credit). Workers
+        handle their messages in order, so the ledger then knows which message a
+        worker is working on, and blames only that one when the worker dies.
+        """
         self._progress_s[worker] = self._clock() if now is None else now
+        if n_events is None:
+            return
+        self._tracking = True
+        q = self._unfinished.get(worker)
+        while q and n_events > 0:
+            head = q[0]
+            if head[1] > n_events:
+                head[1] -= n_events  # partial credit (not sent by evflow's workers)
+                break
+            n_events -= head[1]
+            q.popleft()
 
     def expired(self, now: float | None = None) -> list[LedgerEntry]:
         """Entries whose worker made no progress for ``event_timeout_s`` since they were sent.
@@ -359,23 +390,44 @@ class Ledger:
         """
         wdict = self._by_worker.pop(worker, None)
         self._progress_s.pop(worker, None)
+        q = self._unfinished.pop(worker, None)
         if not wdict:
             return []
         entries = list(wdict.values())
+        if culprit_uid is None and self._tracking:
+            # we know the message it was working on: only its events are suspects
+            current = q[0][0] if q else None
+            suspects = [e for e in entries if e.send == current]
+            if len(suspects) == 1:
+                culprit_uid = suspects[0].uid
+            for entry in entries:
+                if entry.uid == culprit_uid:
+                    self._charge(entry, failure)
+                elif entry.send == current:
+                    self._suspect(entry, failure)
+                else:
+                    self._back_to_pending(entry)
+            return entries
         if culprit_uid is None and len(entries) == 1:
             culprit_uid = entries[0].uid
         for entry in entries:
             if entry.uid == culprit_uid or (culprit_uid is None and entry.isolate):
                 # an isolated event travelled alone: the failure is exactly its own
                 self._charge(entry, failure)
+            elif culprit_uid is None:
+                self._suspect(entry, failure)
             else:
-                entry.suspicions += 1
-                entry.isolate = culprit_uid is None
-                if entry.suspicions % 2 == 0:  # the safety net: two deaths, one failure
-                    self._charge(entry, failure)
-                else:
-                    self._back_to_pending(entry)
+                self._back_to_pending(entry)
         return entries
+
+    def _suspect(self, entry: LedgerEntry, failure: Failure) -> None:
+        """``entry`` was in the message a worker died on, with others: isolate it."""
+        entry.suspicions += 1
+        entry.isolate = True
+        if entry.suspicions % 2 == 0:  # the safety net: two deaths, one failure
+            self._charge(entry, failure)
+        else:
+            self._back_to_pending(entry)
 
     def fail(self, uid: int, failure: Failure) -> LedgerEntry | None:
         """The worker survived but the event failed (a Python exception in a module).
@@ -402,6 +454,7 @@ class Ledger:
         entries = [e for e in self._order if e.state is not _CONFIRMED]
         self._by_worker.clear()
         self._progress_s.clear()
+        self._unfinished.clear()
         for entry in entries:
             if entry.state is _IN_FLIGHT:
                 entry.reasons += (f"lost: {reason}",)
@@ -417,6 +470,7 @@ class Ledger:
         entry.state = _IN_FLIGHT
         entry.worker = worker
         entry.sent_at_s = self._clock()
+        entry.send = self._new_send(worker, 1)
         self._pending -= 1
         self._worker_dict(worker)[uid] = entry
         return entry
@@ -466,6 +520,18 @@ class Ledger:
         )
 
     # --- internals ----------------------------------------------------------------------
+    def _new_send(self, worker: Hashable, n_events: int) -> int:
+        """Number a message of ``n_events`` events to ``worker``; remember it unfinished."""
+        send = self._next_send
+        self._next_send = send + 1
+        q = self._unfinished.get(worker)
+        if q is None:
+            q = self._unfinished[worker] = deque()
+        q.append([send, n_events])
+        if not self._tracking and len(q) > 4096:
+            q.popleft()  # nobody reports progress: keep this bounded
+        return send
+
     def _worker_dict(self, worker: Hashable) -> dict[int, LedgerEntry]:
         wdict = self._by_worker.get(worker)
         if wdict is None:

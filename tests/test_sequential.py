@@ -249,7 +249,19 @@ def test_summary_shows_a_column_per_process() -> None:
     )
     text = str(RunSummary(events_read=100, events_written=92, workers=2, modules=rows))
     assert "worker-0" in text and "worker-1" in text and "input" in text
-    assert "60 / 10.000" in text  # worker-0: calls / ms per call
+    assert "per-process columns: calls" in text
+    row = next(line for line in text.splitlines() if line.startswith("│ sel"))
+    assert [c.strip() for c in row.split("│")[1:-1]] == [
+        "sel",
+        "100",
+        "8",
+        "1.000",
+        "10.0000",
+        "90.9%",
+        "",
+        "60",
+        "40",
+    ]
     assert "2 worker(s)" in text
 
 

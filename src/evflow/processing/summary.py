@@ -49,6 +49,10 @@ class RunSummary:
         from rich.console import Console
 
         stream = file if file is not None else sys.stdout
+        if width is None and not _isatty(stream):
+            width = (
+                1000  # logs and pipes: never squeeze columns (tables are only as wide as needed)
+            )
         console = Console(file=stream, width=width, highlight=False, markup=False)
         console.print(self._summary_line(), soft_wrap=True)
         if self.modules:
@@ -56,7 +60,7 @@ class RunSummary:
 
     def __str__(self) -> str:
         buf = io.StringIO()
-        self.render(buf, width=120)
+        self.render(buf)
         return buf.getvalue()
 
     def _summary_line(self) -> str:
@@ -83,16 +87,19 @@ class RunSummary:
 
         processes = processes_of(self.modules)
         per_process = len(processes) > 1
-        table = Table(title="Module statistics", title_justify="left")
-        table.add_column("Module")
-        table.add_column("Calls", justify="right")
-        table.add_column("Dropped", justify="right")
-        table.add_column("Time (s)", justify="right")
-        table.add_column("Time/call (ms)", justify="right")
-        table.add_column("Share", justify="right")
+        caption = "per-process columns: calls" if per_process else None
+        table = Table(
+            title="Module statistics", title_justify="left", caption=caption, caption_justify="left"
+        )
+        table.add_column("Module", no_wrap=True)
+        table.add_column("Calls", justify="right", no_wrap=True)
+        table.add_column("Dropped", justify="right", no_wrap=True)
+        table.add_column("Time (s)", justify="right", no_wrap=True)
+        table.add_column("Time/call (ms)", justify="right", no_wrap=True)
+        table.add_column("Share", justify="right", no_wrap=True)
         if per_process:
             for proc in processes:
-                table.add_column(f"{proc}\ncalls / ms", justify="right")
+                table.add_column(proc, justify="right", no_wrap=True)
         totals = self.module_totals()
         grand_s = sum(row.time_s for row in totals) or 1.0
         by_key = {(row.module, row.process): row for row in self.modules}
@@ -108,7 +115,7 @@ class RunSummary:
             if per_process:
                 for proc in processes:
                     one = by_key.get((row.module, proc))
-                    cells.append(f"{one.calls:,} / {one.mean_ms:.3f}" if one else "")
+                    cells.append(f"{one.calls:,}" if one else "")
             table.add_row(*cells)
         table.add_section()
         table.add_row(
@@ -121,3 +128,10 @@ class RunSummary:
             *([""] * len(processes) if per_process else []),
         )
         return table
+
+
+def _isatty(stream: IO[str]) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False

@@ -252,3 +252,11 @@ def test_children_die_when_the_parent_is_killed() -> None:
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert [p for p in pids if alive(p)] == []
+
+
+def test_exec_children_get_default_signal_dispositions(zygote: Zygote, tmp_path: Path) -> None:
+    out = tmp_path / "sigs"
+    # SigIgn of /proc/self/status: a bit mask of ignored signals (must be none)
+    pid = zygote.spawn_exec(["sh", "-c", f"grep SigIgn /proc/self/status > {out}"])
+    assert _wait_exits(zygote, 1) == {pid: 0}
+    assert int(out.read_text().split()[1], 16) == 0

@@ -189,7 +189,9 @@ class ZygoteServer:
             try:
                 os.close(err_r)
                 self._child_setup(name)
-                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                # what subprocess's restore_signals does: Python ignores these, programs don't
+                for sig in (signal.SIGINT, signal.SIGPIPE, signal.SIGXFSZ):
+                    signal.signal(sig, signal.SIG_DFL)
                 if cwd is not None:
                     os.chdir(cwd)
                 if env is None:

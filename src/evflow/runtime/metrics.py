@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import psutil
+import psutil  # type: ignore[import-untyped]
 import zmq
 
 #: socket types whose send blocks (instead of dropping) at the high-water mark

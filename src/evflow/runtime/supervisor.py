@@ -356,17 +356,32 @@ class Supervisor:
             self._fast = True  # the second signal: no more waiting
         self._stopping_requested = True
 
+    @property
+    def shutdown_requested(self) -> bool:
+        """True once SIGINT/SIGTERM arrived (with :meth:`install_signal_handlers`)."""
+        return self._stopping_requested
+
+    def install_signal_handlers(self) -> Callable[[], None]:
+        """Handle SIGINT/SIGTERM: the first sets :attr:`shutdown_requested`, a second
+        makes a running :meth:`shutdown` fast. Returns a function that restores the old
+        handlers. Main thread only; :meth:`run` does this for you."""
+        previous = {
+            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
+
+        def restore() -> None:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+        return restore
+
     def run(self, install_signals: bool = True, poll_s: float = 0.1) -> int:
         """Supervise until every process ended; shut down on SIGINT/SIGTERM.
 
         Returns 0, or 1 if a process failed (its message was logged). Main thread only
         when ``install_signals``.
         """
-        self._stopping_requested = False
-        previous: dict[int, Any] = {}
-        if install_signals:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                previous[sig] = signal.signal(sig, self._on_signal)
+        restore = self.install_signal_handlers() if install_signals else None
         try:
             self.start()
             while self.active and not self._stopping_requested:
@@ -374,8 +389,8 @@ class Supervisor:
             if self._stopping_requested:
                 self.shutdown()
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            if restore is not None:
+                restore()
             self.close()
         return 1 if self.failed else 0
 

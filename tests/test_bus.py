@@ -220,3 +220,17 @@ def test_controller_without_a_proxy_fails_clearly() -> None:
     finally:
         controller.close()
         context.term()
+
+
+def test_a_killed_proxy_is_restarted_and_nodes_are_reached_again(bus: Any) -> None:
+    sup, controller, _ = bus
+    _ask_all(controller, "check-state", {"bus", "n1"})
+    old = sup.processes["bus"].pid
+    sup.kill("bus", 9)  # stale ipc files stay behind; the new proxy must rebind them
+    deadline = time.monotonic() + 10
+    while sup.processes["bus"].pid == old and time.monotonic() < deadline:
+        sup.poll(0.05)
+    assert sup.processes["bus"].alive and sup.processes["bus"].restarts == 1
+    # PUB/SUB sockets reconnect by themselves to the same ipc paths
+    got = _ask_all(controller, "check-state", {"bus", "n1", "n2"})
+    assert got["bus"]["data"]["pid"] == sup.processes["bus"].pid != old

@@ -79,7 +79,9 @@ def run_demo(
     selected = out / SELECTED
     path = build_path(hzz_path(), str(selected))
     summary = process(path, max_events=max_events, workers=workers, quiet=quiet)
-    hists = {k: summary.persistent[k] for k in ("m_mumu", "m_4l") if k in summary.persistent}
+    hists: dict[str, Any] = {
+        k: summary.persistent[k] for k in ("m_mumu", "m_4l") if k in summary.persistent
+    }
     write_histograms(out / HISTOGRAMS, hists)
     plot_masses(out / PLOT, hists, summary)
     return DemoResult(summary, selected, out / HISTOGRAMS, out / PLOT)

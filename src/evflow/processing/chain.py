@@ -94,7 +94,7 @@ class ModuleChain:
             self.end_run()
         self.run = RunMeta(experiment, run)
         for module in self.modules:
-            self._hook(module, "begin_run", lambda m=module: m.begin_run(self.run))  # type: ignore[misc]
+            self._hook(module, "begin_run", module.begin_run, self.run)
 
     def end_run(self) -> None:
         """End the current run, if one is open."""
@@ -102,7 +102,7 @@ class ModuleChain:
         if run is None:
             return
         for module in self.modules:
-            self._hook(module, "end_run", lambda m=module: m.end_run(run))  # type: ignore[misc]
+            self._hook(module, "end_run", module.end_run, run)
 
     def terminate(self) -> None:
         """Terminate every module in path order (once)."""
@@ -136,9 +136,9 @@ class ModuleChain:
         return [m for m in self.modules if is_writer(m)]
 
     @staticmethod
-    def _hook(module: Module, hook: str, call: Callable[[], None]) -> None:
+    def _hook(module: Module, hook: str, call: Callable[..., None], *args: Any) -> None:
         try:
-            call()
+            call(*args)
         except EvflowError:
             raise
         except Exception as exc:
@@ -149,10 +149,11 @@ def is_writer(module: Module) -> bool:
     """Whether ``module`` writes output (an ``evflow.io.writer.Writer`` or one in shape)."""
     try:
         from evflow.io.writer import Writer
-    except ImportError:
-        Writer = None  # the I/O layer may not be importable in a stripped install
-    if Writer is not None and isinstance(module, Writer):
-        return True
+
+        if isinstance(module, Writer):
+            return True
+    except ImportError:  # the I/O layer may be missing from a stripped install
+        pass
     return all(callable(getattr(module, name, None)) for name in ("flush", "close", "write_raw"))
 
 

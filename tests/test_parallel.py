@@ -264,8 +264,9 @@ def test_worker_event_error_stops_run_naming_module_and_uid(tmp_path):
     path = Path(
         [ToyGenerator(n_events=300), FailEvent(), RecordOutput(file=str(tmp_path / "o.evr"))]
     )
+    # on_event_error="stop": the default ("retry") retries and quarantines the event
     with pytest.raises(ModuleError, match=r"'FailEvent' raised in event\(\) on event uid=77"):
-        run(path, 2)
+        run(path, 2, extra={"on_event_error": "stop"})
     # what was written before the stop is readable
     read_events(tmp_path / "o.evr")
 

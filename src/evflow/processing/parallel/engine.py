@@ -75,6 +75,9 @@ class Parent:
             "reorder_window": int(extra.get("reorder_window", 8192)),
             "max_attempts": options.max_attempts,
             "event_timeout_s": options.event_timeout_s,
+            # reliability: a module exception fails its event ("retry") or the run ("stop")
+            "on_event_error": str(extra.get("on_event_error", "retry")),
+            "max_quarantined": int(extra.get("max_quarantined", 1000)),
         }
         self.timed_out: set[int] = set()  # worker pids killed for a timeout
         self.session = f"par-{os.getpid()}-{secrets.token_hex(3)}"

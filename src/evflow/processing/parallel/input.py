@@ -26,7 +26,7 @@ from typing import Any
 
 import zmq
 
-from evflow.errors import EvflowError, ModuleError, ProtocolError
+from evflow.errors import EvflowError, ModuleError, PeerLostError, ProtocolError
 from evflow.processing.chain import ModuleChain, user_traceback
 from evflow.processing.datastore import DataStore
 from evflow.processing.parallel.batching import (
@@ -128,6 +128,9 @@ class _Input:
         self.timeouts_asked: set[Any] = set()
         self.next_check_s = 0.0
         self.quarantined = 0
+        self.on_event_error = str(options.get("on_event_error") or "retry")
+        self.max_quarantined = int(options.get("max_quarantined") or 1000)
+        self.last_error: ModuleError | None = None
         self.next_bid = 0
         self.next_seq = 0
         self.read = 0
@@ -214,8 +217,11 @@ class _Input:
             if "t" in msg.header:
                 slot.inflight -= done
                 self.sizer.observe_work(float(msg.header["t"]))
-                if self.ledger.event_timeout_s is not None:
-                    self.ledger.progress(slot.name)
+                # workers go through their messages in order: the ledger then knows
+                # which one a worker works on (blame on death, timeouts)
+                self.ledger.progress(slot.name, n_events=done)
+                for failure in msg.header.get("f", ()):
+                    self._event_failed(slot.name, failure)
             else:
                 slot.buffer = max(done, 1)
         elif msg.type == MsgType.HELLO:
@@ -267,6 +273,28 @@ class _Input:
             self._quarantine(poisoned)
         return len(entries)
 
+    def _event_failed(self, worker: str, f: dict[str, Any]) -> None:
+        """A module raised in ``event()`` on one event; its worker lives on.
+
+        By default (``on_event_error="retry"``) the event counts a failed attempt and
+        is sent again, or quarantined after ``max_attempts``; ``"stop"`` stops the run
+        with the module's error. More than ``max_quarantined`` quarantined events stop
+        the run too (a path that fails on every event must not grind through them all).
+        """
+        uid = int(f["uid"])
+        cause = type(str(f["cause"]), (Exception,), {})(str(f["text"]))
+        error = ModuleError(str(f["module"]), "event", uid, cause, str(f.get("tb", "")))
+        if self.on_event_error == "stop":
+            raise error
+        self.last_error = error
+        entry = self.ledger.fail(uid, Failure.exception(f"{error} (in {worker})"))
+        if entry is None:
+            return
+        if entry.poisoned:
+            self._quarantine([entry])
+        else:
+            self.resend.append(entry)
+
     def _quarantine(self, entries: list[LedgerEntry]) -> None:
         header = {
             "b": -1,
@@ -282,6 +310,13 @@ class _Input:
             message = encode_message(MsgType.EVENTS, header, payload)
             self.back.send_multipart([self.output_id, *message])
         self.quarantined += len(entries)
+        if self.quarantined > self.max_quarantined:
+            last = self.last_error
+            raise PeerLostError(
+                f"{self.quarantined} events were quarantined (limit max_quarantined="
+                f"{self.max_quarantined}); the run is stopped. Last failure: "
+                f"{last if last is not None else entries[-1].reason}"
+            )
 
     def _check_timeouts(self) -> None:
         now = time.monotonic()

@@ -4,7 +4,10 @@ Protocol (DEALER to the input's ROUTER ``events``): HELLO {protocol, pid, name},
 READY {credit}. For every EVENTS batch: one results message to the output (PUSH
 ``results``) and one READY {credit: events done, t: seconds per event} back to the
 input, which returns the credit and is the speed measurement the batch size adapts
-to. On END the worker ends the run, pushes its RESULT (persistent objects, module
+to. A module that raises in ``event()`` fails that event only (reliability): the
+event is left out of the results and reported in the READY (``f``: module, uid,
+exception), the input retries or quarantines it, and the worker goes on. On END the
+worker ends the run, pushes its RESULT (persistent objects, module
 statistics) to the output, reports to the parent and says GOODBYE to the input.
 """
 
@@ -17,11 +20,12 @@ from typing import Any
 
 import zmq
 
-from evflow.errors import EvflowError
+from evflow.errors import EvflowError, ModuleError
 from evflow.processing.chain import ModuleChain
 from evflow.processing.parallel.batching import (
     ZERO_COPY_MIN_B,
     frames_nbytes,
+    from_u64,
     pack_batch,
     unpack_batch,
 )
@@ -104,6 +108,7 @@ class _Worker:
         attempt = header["a"]
         kept_mask = bytearray(len(events))
         kept: list[Any] = []
+        failed: list[dict[str, Any]] = []
         chain = self.chain
         current = chain.run
         t0 = time.perf_counter()
@@ -117,7 +122,12 @@ class _Worker:
             if current is None or current.run != meta.run or current.experiment != meta.experiment:
                 chain.switch_run(meta.experiment, meta.run)
                 current = chain.run
-            if chain.event(store):
+            try:
+                keep = chain.event(store)
+            except ModuleError as exc:
+                failed.append(_failure(i, exc))  # this event failed, not the worker
+                continue
+            if keep:
                 kept_mask[i] = 1
                 if fresh and meta.flags == flags and _unchanged(store.objects, before):
                     kept.append(frames)  # nothing changed: forward the received frames
@@ -127,14 +137,24 @@ class _Worker:
             self.first_event_at = time.time()
         per_event_s = (time.perf_counter() - t0) / max(len(events), 1)
         out = {"b": header["b"], "a": attempt, "u": header["u"], "s": header["s"]}
+        if failed:  # failed events are not results: leave them out
+            gone = {f.pop("i") for f in failed}
+            rest = [i for i in range(len(events)) if i not in gone]
+            out["u"] = from_u64(header["u"])[rest].tobytes()
+            out["s"] = from_u64(header["s"])[rest].tobytes()
+            kept_mask = bytearray(kept_mask[i] for i in rest)
         out["k"] = bytes(kept_mask)
         out["w"] = self.name
-        body = pack_batch(kept, out, packed=header["p"])
-        large = not header["p"] and len(body) and frames_nbytes(body) >= ZERO_COPY_MIN_B * len(kept)
-        self.push.send_multipart(encode_message(MsgType.EVENTS, out, body), copy=not large)
-        self.dealer.send_multipart(
-            encode_message(MsgType.READY, {"credit": len(events), "t": per_event_s})
-        )
+        if kept_mask:
+            body = pack_batch(kept, out, packed=header["p"])
+            large = (
+                not header["p"] and len(body) and frames_nbytes(body) >= ZERO_COPY_MIN_B * len(kept)
+            )
+            self.push.send_multipart(encode_message(MsgType.EVENTS, out, body), copy=not large)
+        ready: dict[str, Any] = {"credit": len(events), "t": per_event_s}
+        if failed:
+            ready["f"] = failed
+        self.dealer.send_multipart(encode_message(MsgType.READY, ready))
         self.events_in += len(events)
         self.events_kept += len(kept)
 
@@ -184,3 +204,15 @@ def _unchanged(objects: dict[str, Any], before: list[tuple[str, Any]]) -> bool:
         if get(key) is not value or isinstance(value, dict | list):
             return False
     return True
+
+
+def _failure(index: int, exc: ModuleError) -> dict[str, Any]:
+    """What the input needs to retry, quarantine or report a failed event."""
+    return {
+        "i": index,
+        "uid": exc.uid,
+        "module": exc.module,
+        "cause": type(exc.cause).__name__,
+        "text": str(exc.cause),
+        "tb": exc.traceback_text[-4000:],
+    }

@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from evflow.errors import ConfigurationError, TimeoutError_
-from evflow.runtime.bus import BUS_IN, BUS_OUT, BusClient, BusController, BusEndpoints
+from evflow.runtime.bus import BUS_IN, BUS_OUT, BusClient, BusController, BusEndpoints, BusProxy
 from evflow.runtime.supervisor import Supervisor
 from evflow.transport.paths import runtime_base_dir
 
@@ -234,3 +234,67 @@ def test_a_killed_proxy_is_restarted_and_nodes_are_reached_again(bus: Any) -> No
     # PUB/SUB sockets reconnect by themselves to the same ipc paths
     got = _ask_all(controller, "check-state", {"bus", "n1", "n2"})
     assert got["bus"]["data"]["pid"] == sup.processes["bus"].pid != old
+
+
+def _thread_node(context: zmq.Context[Any], endpoints: BusEndpoints, stop: Any) -> None:
+    client = BusClient(context, "t1", endpoints)
+    try:
+        while not stop.is_set():
+            client.tick()
+            time.sleep(0.01)
+    finally:
+        client.close()
+
+
+def test_proxy_in_a_thread_over_tcp() -> None:
+    import threading
+
+    context: zmq.Context[Any] = zmq.Context()
+    proxy = BusProxy(
+        context,
+        "tcp-bus",
+        publish_address="tcp://127.0.0.1:0",
+        subscribe_address="tcp://127.0.0.1:0",
+    )
+    proxy.start_thread()
+    stop = threading.Event()
+    node = threading.Thread(target=_thread_node, args=(context, proxy.endpoints, stop))
+    node.start()
+    controller = BusController(context, str(proxy.endpoints))
+    try:
+        assert proxy.endpoints.publish.startswith("tcp://127.0.0.1:")
+        reply = controller.request("check-state", "t1", timeout_s=5)[0]
+        assert reply["data"]["node_state"] == "RUNNING"
+    finally:
+        stop.set()
+        node.join(timeout=5)
+        controller.close()
+        proxy.close()
+        context.term()
+
+
+def test_supervised_proxy_can_listen_on_tcp_as_well() -> None:
+    with socket.socket() as s:  # a free port for the XSUB and one for the XPUB side
+        s.bind(("127.0.0.1", 0))
+        port_in = s.getsockname()[1]
+        with socket.socket() as t:
+            t.bind(("127.0.0.1", 0))
+            port_out = t.getsockname()[1]
+    addresses = (
+        f"ipc://{BUS_IN};tcp://127.0.0.1:{port_in}",
+        f"ipc://{BUS_OUT};tcp://127.0.0.1:{port_out}",
+    )
+    sup = Supervisor(bus=True, bus_addresses=addresses).start()
+    context: zmq.Context[Any] = zmq.Context()
+    remote = BusController(context, f"tcp://127.0.0.1:{port_in},tcp://127.0.0.1:{port_out}")
+    local = BusController(context, sup.bus_endpoints)
+    try:
+        for controller in (remote, local):
+            reply = controller.request("check-state", "bus", timeout_s=5)[0]
+            assert reply["data"]["pid"] == sup.processes["bus"].pid
+    finally:
+        remote.close()
+        local.close()
+        context.term()
+        sup.shutdown()
+        sup.close()

@@ -44,7 +44,6 @@ from evflow.runtime.busclient import (
     find_bus_sessions,
 )
 from evflow.transport.channel import Channel, ChannelConfig, open_channel
-from evflow.transport.paths import session_dir
 from evflow.wire.messages import BadMessageCounter, MsgType, encode_message
 
 __all__ = [
@@ -79,7 +78,6 @@ class BusProxy:
         subscribe_address: str = f"ipc://{BUS_OUT}",
     ) -> None:
         self.session = session
-        session_dir(session)
         self._xsub: Channel = open_channel(
             context,
             ChannelConfig(

@@ -141,7 +141,8 @@ class Supervisor:
     """Per-host process manager. See the module docstring.
 
     Call :meth:`start` before creating any zmq context in this process (it forks the
-    zygote); ``bus=True`` also starts a bus proxy process for the session.
+    zygote); ``bus=True`` also starts a bus proxy process for the session (local ipc
+    endpoints that ``evflow ctl`` finds; ``bus_addresses`` adds or replaces them).
     """
 
     def __init__(
@@ -150,6 +151,7 @@ class Supervisor:
         *,
         zygote: Zygote | None = None,
         bus: bool = False,
+        bus_addresses: tuple[str, str] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.session = session or f"s{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -164,6 +166,9 @@ class Supervisor:
         self._signals = 0
         self._stopping_requested = False
         self._want_bus = bus
+        # the proxy's (XSUB, XPUB) channel addresses; ";" adds endpoints, e.g.
+        # ("ipc://bus-in.ipc;tcp://*:5555", "ipc://bus-out.ipc;tcp://*:5556") for other hosts
+        self._bus_addresses = bus_addresses
         self._context: Any = None
         self._controller: Any = None
         self.failed: list[ExitEvent] = []
@@ -187,7 +192,7 @@ class Supervisor:
                 ProcessSpec(
                     BUS_PROCESS,
                     target=run_bus_proxy,
-                    args=(self.session,),
+                    args=(self.session, *(self._bus_addresses or ())),
                     restart="on-failure",
                     max_restarts=5,
                     stop_order=1 << 30,

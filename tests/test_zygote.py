@@ -260,3 +260,17 @@ def test_exec_children_get_default_signal_dispositions(zygote: Zygote, tmp_path:
     pid = zygote.spawn_exec(["sh", "-c", f"grep SigIgn /proc/self/status > {out}"])
     assert _wait_exits(zygote, 1) == {pid: 0}
     assert int(out.read_text().split()[1], 16) == 0
+
+
+def test_starting_after_a_zmq_context_warns(caplog: pytest.LogCaptureFixture) -> None:
+    import zmq
+
+    context = zmq.Context()
+    sock = context.socket(zmq.PUB)
+    try:
+        with Zygote():
+            pass
+    finally:
+        sock.close(linger=0)
+        context.term()
+    assert "start the zygote first" in caplog.text

@@ -31,6 +31,7 @@ the one that lives as long as the zygote (PDEATHSIG follows the forking *thread*
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pickle
 import selectors
@@ -53,7 +54,9 @@ from evflow.runtime._zygote_server import (
     set_process_name,
 )
 
-__all__ = ["Zygote", "die_with_parent", "set_process_name"]
+__all__ = ["Zygote", "die_with_parent", "set_process_name", "zmq_threads_running"]
+
+log = logging.getLogger("evflow.zygote")
 
 _REPLY_TIMEOUT_S = 30.0
 
@@ -90,6 +93,13 @@ class Zygote:
         """Fork the zygote process. Returns self. Call before creating any zmq context."""
         if self.pid is not None:
             raise ConfigurationError("Zygote.start() called twice")
+        if zmq_threads_running():
+            # children would inherit the context's sockets (a bound port stays held)
+            log.warning(
+                "Zygote.start() called after a zmq context was created in pid %d; "
+                "start the zygote first so that workers inherit no zmq sockets",
+                os.getpid(),
+            )
         cmd_parent, cmd_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         note_parent, note_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         parent_pid = os.getpid()
@@ -296,6 +306,22 @@ class Zygote:
                     os.waitpid(self.pid, 0)
                 return
             time.sleep(0.005)
+
+
+def zmq_threads_running() -> bool:
+    """True if libzmq's background threads (``ZMQbg/...``) run in this process."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return False
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as fh:
+                if fh.read().startswith("ZMQbg"):
+                    return True
+        except OSError:
+            continue
+    return False
 
 
 def selectors_wait(fd: int, timeout_s: float) -> None:

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from evflow.errors import ConfigurationError, PeerLostError
-from evflow.runtime.zygote import Zygote
+from evflow.runtime.zygote import Zygote, zmq_threads_running
 
 # set before the zygote starts: children must see it (inherited at fork)
 _INHERITED: dict[str, str] = {}
@@ -213,7 +213,7 @@ _PARENT_SCRIPT = textwrap.dedent(
     """
     import sys, time
     sys.path.insert(0, {here!r})
-    from evflow.runtime.zygote import Zygote
+    from evflow.runtime.zygote import Zygote, zmq_threads_running
     from test_zygote import _sleep
     z = Zygote().start()
     pids = [z.spawn(_sleep, 60) for _ in range(3)]
@@ -268,6 +268,9 @@ def test_starting_after_a_zmq_context_warns(caplog: pytest.LogCaptureFixture) ->
     context = zmq.Context()
     sock = context.socket(zmq.PUB)
     try:
+        deadline = time.monotonic() + 5  # libzmq's threads name themselves once running
+        while not zmq_threads_running() and time.monotonic() < deadline:
+            time.sleep(0.01)
         with Zygote():
             pass
     finally:

@@ -269,3 +269,23 @@ def test_mass_histograms_live_in_persistent_and_flush_at_end_of_run() -> None:
     assert persistent["m_4l"].sum() == 0
     # hist objects merge with + (what a parallel run does over workers)
     assert (persistent["m_mumu"] + persistent["m_mumu"]).sum() == 8
+
+
+def test_parallel_demo_matches_the_independent_selection(
+    tmp_path: Path, expected, demo_run
+) -> None:
+    result = run_demo(tmp_path, workers=2, quiet=True)
+    assert result.summary.workers == 2 and result.summary.events_read == 2421
+    got = uproot.open(result.selected_root)["events"].arrays(["evflow_uid", "m_mumu"])
+    order = np.argsort(ak.to_numpy(got.evflow_uid))  # workers may reorder events
+    uids = ak.to_numpy(got.evflow_uid)[order].astype(np.int64)
+    np.testing.assert_array_equal(uids, expected["uids"])
+    np.testing.assert_allclose(ak.to_numpy(got.m_mumu)[order], expected["m_mumu"][uids], rtol=1e-12)
+    # histograms merged over the workers equal the sequential ones exactly
+    for key in ("m_mumu", "m_4l"):
+        np.testing.assert_array_equal(
+            result.summary.persistent[key].values(flow=True),
+            demo_run.summary.persistent[key].values(flow=True),
+        )
+    workers = {s.process for s in result.summary.modules if s.module == "MuonSelection"}
+    assert workers == {"worker-0", "worker-1"}

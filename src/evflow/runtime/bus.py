@@ -20,7 +20,8 @@ controller to REPLY/STATE/METRICS). Headers (msgpack maps):
 The proxy binds ``ipc://bus-in.ipc`` and ``ipc://bus-out.ipc`` in the session
 directory, so ``evflow ctl`` finds a local bus without being told; pass tcp addresses
 to reach it from other hosts. The proxy answers commands itself as node ``"bus"``.
-Node and controller clients live in :mod:`evflow.runtime.busclient`.
+Node clients live in :mod:`evflow.runtime.busclient`, the controller in
+:mod:`evflow.runtime.buscontrol`; all are importable from here.
 """
 
 from __future__ import annotations
@@ -39,10 +40,10 @@ from evflow.runtime.busclient import (
     BUS_OUT,
     PROXY_ID,
     BusClient,
-    BusController,
     BusEndpoints,
     find_bus_sessions,
 )
+from evflow.runtime.buscontrol import BusController
 from evflow.transport.channel import Channel, ChannelConfig, open_channel
 from evflow.wire.messages import BadMessageCounter, MsgType, encode_message
 

@@ -23,6 +23,7 @@ stay allocated), ``slow`` (sleep ``slow_s`` and go on).
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import hashlib
 import os
 import signal
@@ -105,6 +106,7 @@ class FaultInjector(Module):
             while (left := deadline - time.monotonic()) > 0:
                 time.sleep(min(left, 1.0))
         elif mode == "segfault":
+            faulthandler.disable()  # a deliberate crash needs no traceback dump
             if self.segfault_via == "null":
                 ctypes.string_at(0)
             os.kill(os.getpid(), signal.SIGSEGV)

@@ -131,6 +131,7 @@ class _Input:
         self.on_event_error = str(options.get("on_event_error") or "retry")
         self.max_quarantined = int(options.get("max_quarantined") or 1000)
         self.last_error: ModuleError | None = None
+        self.unsent_quarantine: list[LedgerEntry] = []
         self.next_bid = 0
         self.next_seq = 0
         self.read = 0
@@ -239,6 +240,9 @@ class _Input:
             self.ledger.confirm(from_u64(msg.payload[0]).tolist())
         elif msg.type == MsgType.HELLO:
             self.output_id = frames[0]
+            if self.unsent_quarantine:
+                self._send_quarantine(self.unsent_quarantine)
+                self.unsent_quarantine = []
         elif msg.type == MsgType.GOODBYE:
             self.done = True
 
@@ -296,6 +300,20 @@ class _Input:
             self.resend.append(entry)
 
     def _quarantine(self, entries: list[LedgerEntry]) -> None:
+        self.quarantined += len(entries)
+        if self.quarantined > self.max_quarantined:
+            last = self.last_error
+            raise PeerLostError(
+                f"{self.quarantined} events were quarantined (limit max_quarantined="
+                f"{self.max_quarantined}); the run is stopped. Last failure: "
+                f"{last if last is not None else entries[-1].reason}"
+            )
+        if self.output_id is None:  # the output has not said HELLO yet: send it then
+            self.unsent_quarantine += entries
+            return
+        self._send_quarantine(entries)
+
+    def _send_quarantine(self, entries: list[LedgerEntry]) -> None:
         header = {
             "b": -1,
             "a": max(e.attempt for e in entries),
@@ -306,17 +324,9 @@ class _Input:
             "q": [e.reason for e in entries],
         }
         payload = pack_batch([e.frames for e in entries], header, packed=False)
-        if self.output_id is not None:
-            message = encode_message(MsgType.EVENTS, header, payload)
-            self.back.send_multipart([self.output_id, *message])
-        self.quarantined += len(entries)
-        if self.quarantined > self.max_quarantined:
-            last = self.last_error
-            raise PeerLostError(
-                f"{self.quarantined} events were quarantined (limit max_quarantined="
-                f"{self.max_quarantined}); the run is stopped. Last failure: "
-                f"{last if last is not None else entries[-1].reason}"
-            )
+        message = encode_message(MsgType.EVENTS, header, payload)
+        assert self.output_id is not None
+        self.back.send_multipart([self.output_id, *message])
 
     def _check_timeouts(self) -> None:
         now = time.monotonic()

@@ -1,0 +1,230 @@
+"""Chaos: real parallel runs with killed, hung, crashing and raising workers.
+
+Every test checks invariant 1 of DESIGN.md on the output file: every uid the input
+read appears exactly once, processed or (after max_attempts failures) quarantined.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+import signal
+import threading
+import time
+from pathlib import Path as FsPath
+from typing import Any
+
+import psutil
+import pytest
+
+import evflow
+from evflow import DataStore, Module, Param, Path
+from evflow.io.generators import ToyGenerator
+from evflow.io.records import RecordOutput, RecordReader, decode_record
+from evflow.processing.datastore import FLAG_QUARANTINED
+from evflow.processing.faults import FaultInjector
+
+
+def read_flags(file: FsPath) -> dict[int, list[int]]:
+    """uid -> the flags of every record with that uid (a list, to see duplicates)."""
+    out: dict[int, list[int]] = collections.defaultdict(list)
+    with RecordReader(str(file)) as reader:
+        for record in reader:
+            store = decode_record(str(file), record)
+            out[store.meta.uid].append(store.meta.flags)
+    return dict(out)
+
+
+def assert_exactly_once(file: FsPath, n: int) -> dict[int, list[int]]:
+    flags = read_flags(file)
+    twice = sorted(u for u, f in flags.items() if len(f) > 1)
+    missing = sorted(set(range(n)) - set(flags))
+    assert not twice, f"{len(twice)} uids written more than once, e.g. {twice[:5]}"
+    assert not missing, f"{len(missing)} uids lost, e.g. {missing[:5]}"
+    assert set(flags) == set(range(n))
+    return flags
+
+
+def quarantined(flags: dict[int, list[int]]) -> set[int]:
+    return {u for u, f in flags.items() if f[0] & FLAG_QUARANTINED}
+
+
+class WorkerKiller(threading.Thread):
+    """SIGKILLs a random worker process of this test every ``interval_s`` seconds.
+
+    It stops killing once ``until()`` is true (the run is nearly done: a worker killed
+    while the run shuts down is not what this test is about). Before each kill it
+    counts the live workers (``pool``): the pool must have healed since the last kill.
+    """
+
+    def __init__(self, interval_s: float, until: Any, seed: int = 1) -> None:
+        super().__init__(daemon=True)
+        self.interval_s = interval_s
+        self.until = until
+        self.rng = random.Random(seed)
+        self.stop = threading.Event()
+        self.kills = 0
+        self.pool: list[int] = []
+
+    def workers(self) -> list[psutil.Process]:
+        found = []
+        for p in psutil.Process().children(recursive=True):
+            try:
+                if p.name().startswith("worker") and p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        return found
+
+    def run(self) -> None:
+        while not self.stop.wait(self.interval_s * self.rng.uniform(0.5, 1.5)):
+            if self.until():
+                return
+            live = self.workers()
+            self.pool.append(len(live))
+            if live:
+                try:
+                    os.kill(self.rng.choice(live).pid, signal.SIGKILL)
+                    self.kills += 1
+                except ProcessLookupError:
+                    pass
+
+
+@pytest.mark.chaos
+def test_chaos_20000_events_kills_hangs_and_poison_every_uid_exactly_once(
+    tmp_path: FsPath,
+) -> None:
+    n, poison = 20_000, [1234, 5000, 9999, 15000, 19998]
+    out = tmp_path / "chaos.evr"
+    path = Path(
+        [
+            ToyGenerator(n_events=n, payload_bytes=256, seed=3),
+            FaultInjector(name="hangs", mode="hang", probability=0.01, seed=11),
+            FaultInjector(name="poison", mode="segfault", uids=poison, poison=True),
+            RecordOutput(file=str(out), fsync=False),
+        ]
+    )
+    # stop killing when the output file is 95 % of its final size (measured on a small run)
+    probe = tmp_path / "probe.evr"
+    evflow.process(Path([ToyGenerator(n_events=500, payload_bytes=256, seed=3),
+                         RecordOutput(file=str(probe), fsync=False)]), quiet=True)  # fmt: skip
+    final_b = probe.stat().st_size * n / 500
+
+    def nearly_done() -> bool:
+        return out.exists() and out.stat().st_size > 0.95 * final_b
+
+    killer = WorkerKiller(interval_s=0.1, until=nearly_done)
+    killer.start()
+    t0 = time.monotonic()
+    try:
+        summary = evflow.process(
+            path,
+            workers=4,
+            quiet=True,
+            event_timeout_s=0.5,
+            max_attempts=3,
+            extra={"max_restarts": 100_000},
+        )
+    finally:
+        killer.stop.set()
+        killer.join()
+    wall_s = time.monotonic() - t0
+    flags = assert_exactly_once(out, n)
+    q = quarantined(flags)
+    assert set(poison) <= q, f"poison uids not quarantined: {set(poison) - q}"
+    c = summary.counters
+    # every lost worker was replaced: the pool healed between kills and ended at its size
+    assert killer.kills >= 50
+    assert c["workers restarted"] == c["workers lost"] >= killer.kills
+    pool = killer.pool[next(i for i, k in enumerate(killer.pool) if k) :]  # after start-up
+    assert min(pool) >= 2 and sorted(pool)[len(pool) // 2] == 4, pool
+    finals = {m.process for m in summary.modules if m.process.startswith("worker")}
+    assert len(finals) == 4, finals
+    assert summary.events_read == n
+    assert summary.events_written + summary.events_quarantined == n
+    assert c["timeouts"] >= 1
+    print(
+        f"\nchaos: {n} events in {wall_s:.1f} s, {killer.kills} SIGKILLs, "
+        f"{c['timeouts']} timeouts, {c['workers lost']} workers lost and replaced, "
+        f"{len(q)} quarantined ({len(q - set(poison))} besides the poison uids), "
+        f"{c['duplicates dropped']} duplicates dropped, lost 0, duplicates in output 0"
+    )
+
+
+class SlowOnce(Module):
+    """Sleeps ``sleep_s`` on the first attempt of uid ``at``."""
+
+    parallel = True
+    at = Param(int, 5)
+    sleep_s = Param(float, 1.0)
+
+    def event(self, store: DataStore) -> bool | None:
+        if store.meta.uid == self.at and store.meta.attempt == 1:
+            time.sleep(self.sleep_s)
+        return None
+
+
+def test_event_over_its_timeout_is_retried_elsewhere_and_written_once(tmp_path: FsPath) -> None:
+    out = tmp_path / "t.evr"
+    path = Path(
+        [
+            ToyGenerator(n_events=200),
+            SlowOnce(at=57, sleep_s=30.0),
+            RecordOutput(file=str(out), fsync=False),
+        ]
+    )
+    summary = evflow.process(path, workers=2, quiet=True, event_timeout_s=0.4, event_buffer=1)
+    flags = assert_exactly_once(out, 200)
+    assert not quarantined(flags)
+    assert summary.counters["timeouts"] == 1
+    assert summary.counters["workers restarted"] == 1
+
+
+def test_module_exception_is_retried_then_quarantined_with_its_reason(tmp_path: FsPath) -> None:
+    out = tmp_path / "e.evr"
+    path = Path(
+        [
+            ToyGenerator(n_events=300),
+            FaultInjector(name="flaky", mode="raise", uids=[10, 20], fail_attempts=2),
+            FaultInjector(name="broken", mode="raise", uids=[77], poison=True),
+            RecordOutput(file=str(out), fsync=False),
+        ]
+    )
+    summary = evflow.process(path, workers=2, quiet=True)
+    flags = assert_exactly_once(out, 300)
+    assert quarantined(flags) == {77}  # 10 and 20 succeed on their third attempt
+    assert summary.events_quarantined == 1 and summary.events_written == 299
+    assert summary.counters["workers lost"] == 0  # exceptions do not cost workers
+
+
+def test_poison_segfault_is_quarantined_after_max_attempts(tmp_path: FsPath) -> None:
+    out = tmp_path / "p.evr"
+    path = Path(
+        [
+            ToyGenerator(n_events=500, payload_bytes=100),
+            FaultInjector(mode="segfault", uids=[3, 333], poison=True),
+            RecordOutput(file=str(out), fsync=False),
+        ]
+    )
+    summary = evflow.process(path, workers=2, quiet=True, max_attempts=2,
+                             extra={"max_restarts": 50})  # fmt: skip
+    flags = assert_exactly_once(out, 500)
+    assert quarantined(flags) == {3, 333}
+    # each poison uid: at most one death as a suspect in a batch, then max_attempts alone
+    assert 4 <= summary.counters["workers lost"] <= 6
+
+
+def test_a_path_that_crashes_on_every_event_stops_with_a_clear_message(
+    tmp_path: FsPath,
+) -> None:
+    path = Path(
+        [
+            ToyGenerator(n_events=100),
+            FaultInjector(mode="exit", probability=1.0, exit_code=7),
+            RecordOutput(file=str(tmp_path / "x.evr"), fsync=False),
+        ]
+    )
+    with pytest.raises(evflow.EvflowError, match="exit code 7") as info:
+        evflow.process(path, workers=2, quiet=True)
+    assert "max_restarts" in str(info.value)

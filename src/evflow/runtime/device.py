@@ -117,6 +117,7 @@ class Device:
         self._bus: Any = None
         self.error: BaseException | None = None
         self._next_tick = 0.0
+        self._next_rate_log = 0.0
         self._rate_marks: dict[str, tuple[float, int, int, int, int]] = {}
         self._params: dict[str, Any] = {}
         self._set_params(params)
@@ -372,7 +373,7 @@ class Device:
             if period_s:
                 next_s += period_s
                 self._sleep_until(next_s)
-            elif self.iterations & 255 == 0:
+            else:
                 self._tick()
 
     def _sleep_until(self, deadline_s: float) -> None:
@@ -411,7 +412,7 @@ class Device:
                         if len(frames) < 2:
                             bad.record("short", "routed message without identity")
                             continue
-                        origin = Origin(ch, frames[0].bytes)
+                        origin = Origin(ch, frames[0])
                         frames = frames[1:]
                     msg = bad.decode(frames)
                     if msg is None:
@@ -436,15 +437,17 @@ class Device:
 
     # --- timers: rate logging and the bus ------------------------------------------------
     def _tick(self, now_s: float | None = None) -> None:
+        """Timers, at most every 100 ms: bus commands (and its 1 s metrics), rate logs."""
         now_s = time.monotonic() if now_s is None else now_s
         if now_s < self._next_tick:
             return
-        self._next_tick = now_s + 1.0
-        self._log_rates(now_s)
+        self._next_tick = now_s + POLL_INTERVAL_MS / 1000
+        if now_s >= self._next_rate_log:
+            self._next_rate_log = now_s + 1.0
+            self._log_rates(now_s)
         if self._bus is not None:
             try:
-                self._bus.publish_metrics(self)
-                self._bus.poll(self)
+                self._bus.tick(self, now_s)
             except Exception:
                 log.exception("device %s: bus client failed", self.id)
 
@@ -476,8 +479,13 @@ class Device:
                 self._rate_marks[ch.label] = (now_s, *counts)
 
     def attach_bus(self, bus: Any) -> None:
-        """Plug in a control-bus client; it hears every state change and, once a second,
-        may publish metrics and handle commands (it calls :meth:`request`)."""
+        """Plug in a control-bus client (``evflow.runtime.busclient.BusClient``).
+
+        It hears every state change (``bus.publish_state(device, old, new)``) and, every
+        100 ms from the device's loops, ``bus.tick(device, now_s)`` publishes metrics
+        (once a second, :meth:`metrics` included) and answers commands; a ``transition``
+        command calls :meth:`request`.
+        """
         self._bus = bus
         self.fsm.subscribe(lambda old, new, tr: bus.publish_state(self, old, new))
 

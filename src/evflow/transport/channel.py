@@ -274,6 +274,8 @@ class Channel:
         self.bytes_in = 0
         self.bytes_out = 0
         self.closed = False
+        # frames received as bytes: [identity,] type, header
+        self._copy_frames = 3 if config.type == "router" else 2
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else ",".join(self.endpoints)
@@ -284,23 +286,42 @@ class Channel:
         return f"{self.name}[{self.index}]"
 
     def send(self, frames: Sequence[Any], flags: int = 0) -> None:
-        """Send one multipart message; frames >= 64 kB go zero-copy."""
+        """Send one multipart message; frames of 64 kB and more go zero-copy."""
+        send = self.socket.send
+        last = len(frames) - 1
+        more = flags | zmq.SNDMORE
         nbytes = 0
-        for f in frames:
-            nbytes += f.nbytes if isinstance(f, memoryview) else len(f)
-        # pyzmq copies frames below its copy_threshold anyway; copy=False avoids a
-        # second copy of the large ones
-        self.socket.send_multipart(frames, flags, copy=nbytes < COPY_THRESHOLD_BYTES)
+        for i, f in enumerate(frames):
+            size = f.nbytes if type(f) is memoryview else len(f)
+            nbytes += size
+            # small frames are cheaper to copy than to track (pyzmq's zero-copy path
+            # notifies a gc thread per frame); large ones must not be copied
+            send(f, more if i < last else flags, copy=size < COPY_THRESHOLD_BYTES)
         self.messages_out += 1
         self.bytes_out += nbytes
 
     def recv(self, flags: int = 0) -> list[Any]:
-        """Receive one multipart message as a list of frames (zmq.Frame, no copy)."""
-        frames = self.socket.recv_multipart(flags, copy=False)
-        self.messages_in += 1
-        nbytes = 0
-        for f in frames:
+        """Receive one multipart message as a list of frames.
+
+        The routing identity (ROUTER), the type and the header frames come as bytes
+        (cheap for small frames, and what the decoder wants); payload frames come as
+        ``zmq.Frame`` without a copy.
+        """
+        sock = self.socket
+        getsockopt = sock.getsockopt
+        first = sock.recv(flags)
+        frames: list[Any] = [first]
+        nbytes = len(first)
+        copied = 1
+        while getsockopt(zmq.RCVMORE):
+            if copied < self._copy_frames:
+                f: Any = sock.recv()
+                copied += 1
+            else:
+                f = sock.recv(copy=False)
+            frames.append(f)
             nbytes += len(f)
+        self.messages_in += 1
         self.bytes_in += nbytes
         return frames
 

@@ -8,9 +8,12 @@ import os
 import time
 from typing import Any
 
+import zmq
+
 from evflow.processing.module import Param
 from evflow.runtime.device import Device
 from evflow.runtime.devices._stream import send_end, wait_for_acks
+from evflow.transport.channel import COPY_THRESHOLD_BYTES
 from evflow.wire.messages import MsgType, encode_message
 
 log = logging.getLogger("evflow.device")
@@ -26,8 +29,13 @@ class Sampler(Device):
     def init_task(self) -> None:
         if self.msg_size < 0:
             raise ValueError(f"msg_size must be >= 0, got {self.msg_size}")
-        # random bytes: nothing on the way can compress them; one buffer, sent zero-copy
-        self._frames = encode_message(MsgType.EVENTS, None, (os.urandom(self.msg_size),))
+        # random bytes: nothing on the way can compress them. A large payload is one
+        # zmq.Frame sent again and again: libzmq shares its buffer by reference count,
+        # so there is neither a copy nor pyzmq's per-send zero-copy bookkeeping
+        payload: Any = os.urandom(self.msg_size)
+        if self.msg_size >= COPY_THRESHOLD_BYTES:
+            payload = zmq.Frame(payload)
+        self._frames = encode_message(MsgType.EVENTS, None, (payload,))
         self._out = self.channel(self.channel_name)
         self.sent = 0
         self.acked = 0

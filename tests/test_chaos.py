@@ -9,7 +9,10 @@ from __future__ import annotations
 import collections
 import os
 import random
+import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path as FsPath
@@ -20,10 +23,12 @@ import pytest
 
 import evflow
 from evflow import DataStore, Module, Param, Path
-from evflow.io.generators import ToyGenerator
+from evflow.errors import CheckpointError
+from evflow.io.generators import BusyWork, ToyGenerator
 from evflow.io.records import RecordOutput, RecordReader, decode_record
 from evflow.processing.datastore import FLAG_QUARANTINED
 from evflow.processing.faults import FaultInjector
+from evflow.processing.parallel.checkpoint import CheckpointFile
 
 
 def read_flags(file: FsPath) -> dict[int, list[int]]:
@@ -228,3 +233,52 @@ def test_a_path_that_crashes_on_every_event_stops_with_a_clear_message(
     with pytest.raises(evflow.EvflowError, match="exit code 7") as info:
         evflow.process(path, workers=2, quiet=True)
     assert "max_restarts" in str(info.value)
+
+
+_KILL9_RUN = """
+import sys
+import evflow
+from evflow.io.generators import BusyWork, ToyGenerator
+from evflow.io.records import RecordOutput
+path = evflow.Path([ToyGenerator(n_events=3000, payload_bytes=500), BusyWork(work_ms=1.0),
+                    RecordOutput(file=sys.argv[1])])
+evflow.process(path, workers=2, quiet=True, extra={"checkpoint_interval_s": 0.2})
+"""
+
+
+def test_kill_9_of_the_whole_run_then_resume_writes_every_uid_once(tmp_path: FsPath) -> None:
+    out = tmp_path / "k.evr"
+    ckpt = FsPath(str(out) + ".ckpt")
+    proc = subprocess.Popen([sys.executable, "-c", _KILL9_RUN, str(out)], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not ckpt.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.4)  # a few more checkpoints and writes
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # everything: parent, zygote, roles
+        proc.wait(timeout=10)
+    assert ckpt.exists(), "the run never wrote a checkpoint"
+    position = CheckpointFile(ckpt).load().position
+    assert 0 < position < 3000
+    # a killed supervisor cannot remove its session's ipc files; a later run's do not clash
+    for leftover in FsPath(os.environ["EVFLOW_RUNTIME_DIR"]).iterdir():
+        shutil.rmtree(leftover)
+    path = Path(
+        [
+            ToyGenerator(n_events=3000, payload_bytes=500),
+            BusyWork(work_ms=1.0),
+            RecordOutput(file=str(out)),
+        ]
+    )
+    summary = evflow.process(path, workers=2, quiet=True, resume=True)
+    assert_exactly_once(out, 3000)
+    assert summary.events_read == 3000 - position  # read from the checkpoint on
+    assert not ckpt.exists()  # complete: nothing left to resume
+
+
+def test_resume_without_checkpoint_or_output_is_a_clear_error(tmp_path: FsPath) -> None:
+    path = Path([ToyGenerator(n_events=10), BusyWork(work_ms=0.0),
+                 RecordOutput(file=str(tmp_path / "none.evr"))])  # fmt: skip
+    with pytest.raises(CheckpointError, match="nothing to resume"):
+        evflow.process(path, workers=1, quiet=True, resume=True)

@@ -49,6 +49,12 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")
     parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue a parallel run that was stopped or killed: read from its checkpoint "
+        "(OUT.ckpt), append to its output and skip the events already in it",
+    )
+    parser.add_argument(
         "args",
         nargs="*",
         metavar="ARGS",
@@ -78,6 +84,8 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
         overrides["workers"] = args.workers
     if args.quiet:
         overrides["quiet"] = True
+    if getattr(args, "resume", False):
+        overrides["resume"] = True
     return overrides
 
 

@@ -205,3 +205,67 @@ class CheckpointWriter:
         self.file.write(Checkpoint(self.run_id, position, dict(counts or {}), time.time()))
         self._last_position = position
         self.writes += 1
+
+
+# --- how a parallel run uses its checkpoint ----------------------------------------------
+CHECKPOINT_SUFFIX = ".ckpt"
+
+
+def checkpoint_path_for(output_file: str) -> str:
+    """The checkpoint of a run writing ``output_file``: next to it, ``<file>.ckpt``."""
+    return output_file + CHECKPOINT_SUFFIX
+
+
+def plan(output_files: list[str], resume: bool, interval_s: float = 2.0) -> dict[str, Any]:
+    """The checkpoint settings of a parallel run (role options for the input and output).
+
+    A run with an output file keeps a checkpoint next to it. ``resume``: continue from
+    that checkpoint (the input reads from its position; the output appends to its file
+    and drops the uids already there); a missing checkpoint is an error naming the file.
+    """
+    if not output_files:
+        if resume:
+            raise ConfigurationError(
+                "--resume needs an output file (a writer with a 'file' parameter): "
+                "the checkpoint and the events already written are found through it"
+            )
+        return {"checkpoint": None, "resume": False, "start_position": 0}
+    path = checkpoint_path_for(output_files[0])
+    start = 0
+    if resume:
+        cp = CheckpointFile(path).load()
+        if cp is None:
+            if not os.path.exists(output_files[0]):
+                raise CheckpointError(
+                    f"nothing to resume: no checkpoint {path} and no output {output_files[0]}"
+                )
+            start = 0  # stopped before the first checkpoint: the output dedups
+        else:
+            start = cp.position
+    return {
+        "checkpoint": path,
+        "resume": resume,
+        "start_position": start,
+        "checkpoint_interval_s": interval_s,
+    }
+
+
+def open_writers_for_append(writers: list[Any]) -> set[int]:
+    """Make every writer continue its file; return the uids already written in them.
+
+    Called in the output process before its path initializes, on ``--resume`` and when
+    the output is restarted after a crash. A writer without an ``append`` parameter
+    cannot continue a file: a clear ConfigurationError names it.
+    """
+    uids: set[int] = set()
+    for w in writers:
+        if "append" not in type(w).declared_params():
+            raise ConfigurationError(
+                f"writer {w.name!r} ({type(w).__name__}) cannot continue an existing file "
+                f"(no 'append' parameter): resuming or restarting the output needs one, "
+                f"e.g. RecordOutput"
+            )
+        w.append = True
+    for w in writers:
+        uids |= w.written_uids()
+    return uids

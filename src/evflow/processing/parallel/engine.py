@@ -31,7 +31,7 @@ import zmq
 from evflow import errors
 from evflow.errors import ConfigurationError, EvflowError, ModuleError, PeerLostError
 from evflow.processing.options import ProcessOptions
-from evflow.processing.parallel import state
+from evflow.processing.parallel import checkpoint, state
 from evflow.processing.parallel.common import channel
 from evflow.processing.parallel.input import input_main
 from evflow.processing.parallel.output import output_main
@@ -79,6 +79,12 @@ class Parent:
             "on_event_error": str(extra.get("on_event_error", "retry")),
             "max_quarantined": int(extra.get("max_quarantined", 1000)),
         }
+        # reliability: the input checkpoints next to the output; --resume continues there
+        self.role_options.update(
+            checkpoint.plan(
+                _outputs(split), options.resume, float(extra.get("checkpoint_interval_s", 2.0))
+            )
+        )
         self.timed_out: set[int] = set()  # worker pids killed for a timeout
         self.session = f"par-{os.getpid()}-{secrets.token_hex(3)}"
         self.pids: dict[int, str] = {}  # live children: pid -> role name
@@ -139,6 +145,8 @@ class Parent:
             if self.signals[0] == signal.SIGTERM:
                 raise SystemExit(143)
             raise KeyboardInterrupt
+        if self.role_options.get("checkpoint"):  # complete: nothing left to resume
+            checkpoint.CheckpointFile(str(self.role_options["checkpoint"])).remove()
         return summary
 
     def _install_signals(self) -> Any:

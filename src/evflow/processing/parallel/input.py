@@ -36,6 +36,7 @@ from evflow.processing.parallel.batching import (
     pack_batch,
     u64,
 )
+from evflow.processing.parallel.checkpoint import CheckpointFile, CheckpointWriter
 from evflow.processing.parallel.common import channel, current_split, error_message
 from evflow.processing.parallel.ledger import Failure, Ledger, LedgerEntry
 from evflow.processing.parallel.persist import encode_persistent
@@ -119,10 +120,21 @@ class _Input:
         self.sizer = BatchSizer()
         self.workers: dict[bytes, _Slot] = {}
         self.goodbye: list[str] = []
+        # reliability: --resume starts at the checkpoint; the input checkpoints as it goes
+        self.start_position = int(options.get("start_position") or 0)
         self.ledger = Ledger(
             max_attempts=int(options.get("max_attempts") or 3),
             event_timeout_s=options.get("event_timeout_s"),
+            start_position=self.start_position,
         )
+        self.checkpoint: CheckpointWriter | None = None
+        if options.get("checkpoint"):
+            self.checkpoint = CheckpointWriter(
+                CheckpointFile(str(options["checkpoint"])),
+                run_id=os.path.basename(str(options["checkpoint"])),
+                interval_s=float(options.get("checkpoint_interval_s") or 2.0),
+            )
+            self.checkpoint.file.remove_stale_temps()
         self.resend: collections.deque[LedgerEntry] = collections.deque()
         self.seq_of: dict[int, int] = {}  # --ordered only: uid -> input sequence number
         self.timeouts_asked: set[Any] = set()
@@ -153,7 +165,7 @@ class _Input:
     def run(self) -> int:
         self.chain.initialize()
         try:
-            self.it = iter(self.source.events(0))
+            self.it = iter(self.source.events(self.start_position))
             poller = zmq.Poller()
             for s in (self.router, self.back, self.ctl):
                 poller.register(s, zmq.POLLIN)
@@ -172,7 +184,11 @@ class _Input:
                     self._feed()
                 if self.ledger.event_timeout_s is not None:
                     self._check_timeouts()
+                if self.checkpoint is not None:
+                    self.checkpoint.maybe_write(self.ledger.checkpoint_position(), self._counts())
                 self._maybe_end()
+            if self.checkpoint is not None:  # everything confirmed: where a resume starts
+                self.checkpoint.write_now(self.ledger.checkpoint_position(), self._counts())
         finally:
             close = getattr(self.it, "close", None)
             if close is not None:
@@ -276,6 +292,9 @@ class _Input:
         if poisoned:
             self._quarantine(poisoned)
         return len(entries)
+
+    def _counts(self) -> dict[str, int]:
+        return {"read": self.read, "dropped": self.dropped, "quarantined": self.quarantined}
 
     def _event_failed(self, worker: str, f: dict[str, Any]) -> None:
         """A module raised in ``event()`` on one event; its worker lives on.
@@ -432,7 +451,7 @@ class _Input:
                 n = min(n, self.sizer.size())
             enc.append(frames)
             uids.append(meta.uid)
-            positions.append(self.read - 1)
+            positions.append(self.start_position + self.read - 1)
         if not enc:
             return None
         seq0 = self.next_seq

@@ -24,6 +24,7 @@ from evflow.errors import EvflowError
 from evflow.processing.chain import ModuleChain
 from evflow.processing.datastore import FLAG_QUARANTINED
 from evflow.processing.parallel.batching import from_u64, unpack_batch
+from evflow.processing.parallel.checkpoint import open_writers_for_append
 from evflow.processing.parallel.common import channel, current_split, error_message, run_of
 from evflow.processing.parallel.dedup import WrittenUids
 from evflow.processing.parallel.persist import decode_persistent, encode_persistent, merge_into
@@ -78,6 +79,9 @@ class _Output:
         self.writers = self.chain.writers()
         self.no_modules = not self.chain.modules
         self.seen = WrittenUids()
+        if options.get("resume") or options.get("restart"):
+            # reliability: continue the files; drop what they already hold
+            self.seen = WrittenUids(open_writers_for_append(self.writers))
         self.pending: list[Any] = []  # uid arrays written, not yet flushed and confirmed
         self.pending_n = 0
         self.pending_since = 0.0

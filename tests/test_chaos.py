@@ -282,3 +282,58 @@ def test_resume_without_checkpoint_or_output_is_a_clear_error(tmp_path: FsPath) 
                  RecordOutput(file=str(tmp_path / "none.evr"))])  # fmt: skip
     with pytest.raises(CheckpointError, match="nothing to resume"):
         evflow.process(path, workers=1, quiet=True, resume=True)
+
+
+def _kill_role_when(name: str, ready: Any, timeout_s: float = 30.0) -> threading.Thread:
+    """A thread that SIGKILLs this test's process named ``name`` once ``ready()``."""
+
+    def run() -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not ready():
+            time.sleep(0.01)
+        for p in psutil.Process().children(recursive=True):
+            try:
+                if p.name() == name:
+                    p.send_signal(signal.SIGKILL)
+                    return
+            except psutil.NoSuchProcess:
+                pass
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _busy_path(out: FsPath, n: int) -> Path:
+    return Path(
+        [
+            ToyGenerator(n_events=n, payload_bytes=500),
+            BusyWork(work_ms=0.5),
+            RecordOutput(file=str(out)),
+        ]
+    )
+
+
+def test_sigkill_of_the_output_restarts_it_and_every_uid_is_written_once(
+    tmp_path: FsPath,
+) -> None:
+    out = tmp_path / "o.evr"
+    killer = _kill_role_when("output", lambda: out.exists() and out.stat().st_size > 300_000)
+    summary = evflow.process(_busy_path(out, 4000), workers=2, quiet=True)
+    killer.join(timeout=5)
+    assert summary.counters["output restarts"] == 1
+    assert_exactly_once(out, 4000)
+    assert summary.events_read == 4000
+
+
+def test_sigkill_of_the_input_stops_clearly_and_resume_completes(tmp_path: FsPath) -> None:
+    out = tmp_path / "i.evr"
+    ckpt = FsPath(str(out) + ".ckpt")
+    killer = _kill_role_when("input", lambda: ckpt.exists() and out.stat().st_size > 300_000)
+    with pytest.raises(evflow.EvflowError, match=r"input process .* died .*--resume"):
+        evflow.process(
+            _busy_path(out, 4000), workers=2, quiet=True, extra={"checkpoint_interval_s": 0.1}
+        )
+    killer.join(timeout=5)
+    evflow.process(_busy_path(out, 4000), workers=2, quiet=True, resume=True)
+    assert_exactly_once(out, 4000)

@@ -86,6 +86,8 @@ class Parent:
             )
         )
         self.timed_out: set[int] = set()  # worker pids killed for a timeout
+        self.output_restarts = 0
+        self.max_output_restarts = int(extra.get("max_output_restarts", 3))
         self.session = f"par-{os.getpid()}-{secrets.token_hex(3)}"
         self.pids: dict[int, str] = {}  # live children: pid -> role name
         self.ids: dict[str, bytes] = {}  # role name -> ctl routing id
@@ -242,10 +244,13 @@ class Parent:
         if not name.startswith("worker"):
             if name in self.results and "aborted" not in self.results[name][0]:
                 return
+            if name == "output" and self._restart_output(pid, code):
+                return
+            resume = " (continue it with --resume)" if self.role_options.get("checkpoint") else ""
             self._fail(
                 PeerLostError(
                     f"the {name} process (pid {pid}) died with {describe_exit(code)}; "
-                    "the run is stopped (files written so far are closed)"
+                    f"the run is stopped (files written so far are closed){resume}"
                 )
             )
             return
@@ -267,6 +272,18 @@ class Parent:
             lost["reason"] = "timeout"
         self._send("input", MsgType.WORKER_LOST, lost)
         self._spawn_worker(int(name.split("-")[1].split(".")[0]))
+
+    def _restart_output(self, pid: int, code: int) -> bool:
+        """Reliability: a dead output is forked again; it reopens its files, rebuilds the
+        set of uids they hold, and the input sends every unconfirmed event again."""
+        if self.hard or self.error is not None or self.options.ordered:
+            return False  # --ordered: the reorder buffer died with it; stop instead
+        if self.output_restarts >= self.max_output_restarts:
+            return False
+        self.output_restarts += 1
+        options = {**self.role_options, "restart": True}
+        self.pids[self.zygote.spawn(output_main, self.session, options, name="output")] = "output"
+        return True
 
     def _fail(self, error: EvflowError) -> None:
         """Stop everything: the first error is the one the caller sees."""
@@ -309,6 +326,7 @@ class Parent:
         counters: dict[str, int | float] = {
             "duplicates dropped": int(out_header.get("duplicates", 0)),
             "timeouts": len(self.timed_out),
+            "output restarts": self.output_restarts,
             "workers lost": len(self.lost),
             "workers restarted": self.restarts,
         }

@@ -144,6 +144,7 @@ class _Input:
         self.max_quarantined = int(options.get("max_quarantined") or 1000)
         self.last_error: ModuleError | None = None
         self.unsent_quarantine: list[LedgerEntry] = []
+        self.end_for_output: list[Any] | None = None
         self.next_bid = 0
         self.next_seq = 0
         self.read = 0
@@ -255,7 +256,10 @@ class _Input:
         if msg.type == MsgType.CONFIRM:
             self.ledger.confirm(from_u64(msg.payload[0]).tolist())
         elif msg.type == MsgType.HELLO:
+            restarted = self.output_id is not None
             self.output_id = frames[0]
+            if restarted:
+                self._output_restarted()
             if self.unsent_quarantine:
                 self._send_quarantine(self.unsent_quarantine)
                 self.unsent_quarantine = []
@@ -292,6 +296,18 @@ class _Input:
         if poisoned:
             self._quarantine(poisoned)
         return len(entries)
+
+    def _output_restarted(self) -> None:
+        """A new output (the old one died): whatever it had not confirmed may be lost.
+
+        Every unconfirmed event goes out again (workers may still deliver the first
+        copies; the new output drops the uids its reopened files already hold).
+        """
+        entries = self.ledger.requeue_all("output restarted")
+        self.resend = collections.deque(e for e in entries if not e.poisoned)
+        self.unsent_quarantine += [e for e in entries if e.poisoned]
+        if self.end_for_output is not None:  # it died after END: the new one needs it
+            self.back.send_multipart([self.output_id, *self.end_for_output])
 
     def _counts(self) -> dict[str, int]:
         return {"read": self.read, "dropped": self.dropped, "quarantined": self.quarantined}
@@ -501,4 +517,5 @@ class _Input:
             "stopped": self.stopping,
         }
         message = encode_message(MsgType.END, header, [head, *frames])
+        self.end_for_output = message
         self.back.send_multipart([self.output_id, *message])

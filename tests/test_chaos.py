@@ -148,7 +148,10 @@ def test_chaos_20000_events_kills_hangs_and_poison_every_uid_exactly_once(
     assert len(finals) == 4, finals
     assert summary.events_read == n
     assert summary.events_written + summary.events_quarantined == n
-    assert c["timeouts"] >= 1
+    assert c["timeouts"] >= 1 and c["events lost"] == 0
+    assert {u for u, _ in summary.quarantined} == q
+    reasons = dict(summary.quarantined)
+    assert all("signal 11 (SIGSEGV)" in reasons[u] for u in poison)
     print(
         f"\nchaos: {n} events in {wall_s:.1f} s, {killer.kills} SIGKILLs, "
         f"{c['timeouts']} timeouts, {c['workers lost']} workers lost and replaced, "
@@ -200,6 +203,9 @@ def test_module_exception_is_retried_then_quarantined_with_its_reason(tmp_path: 
     flags = assert_exactly_once(out, 300)
     assert quarantined(flags) == {77}  # 10 and 20 succeed on their third attempt
     assert summary.events_quarantined == 1 and summary.events_written == 299
+    ((uid, reason),) = summary.quarantined
+    assert uid == 77 and reason.count("'broken' raised in event()") == 3
+    assert "InjectedFault" in reason and summary.counters["event failures"] == 2 + 2 + 3
     assert summary.counters["workers lost"] == 0  # exceptions do not cost workers
 
 

@@ -24,7 +24,11 @@ def test_rebuilt_from_a_reopened_writer_drops_what_the_file_already_has() -> Non
     assert not seen.check_and_add(5)
     assert not seen.check_and_add(2**64 - 1)
     assert seen.check_and_add(6)
-    assert seen.statistics() == DedupStatistics(written=4, rebuilt=3, duplicates_dropped=2)
+    assert seen.statistics() == DedupStatistics(
+        written=4, rebuilt=3, duplicates_dropped=2, already_written=2
+    )
+    assert not seen.check_and_add(6)  # a duplicate of this run's own write
+    assert (seen.duplicates_dropped, seen.already_written) == (3, 2)
 
 
 def test_seen_then_add_and_explicit_drop_count() -> None:

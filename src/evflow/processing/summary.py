@@ -34,6 +34,8 @@ class RunSummary:
     counters: dict[str, int | float] = field(default_factory=dict)
     outputs: tuple[str, ...] = ()
     interrupted: bool = False
+    quarantined: tuple[tuple[int, str], ...] = ()
+    """(uid, reasons) of every quarantined event (parallel runs; reliability)."""
 
     @property
     def rate_hz(self) -> float:
@@ -80,6 +82,10 @@ class RunSummary:
             text += " [interrupted]"
         for name, value in self.counters.items():
             text += f"\n  {name}: {value}"
+        for uid, reason in self.quarantined[:20]:
+            text += f"\n  quarantined uid {uid}: {reason}"
+        if len(self.quarantined) > 20:
+            text += f"\n  ... and {len(self.quarantined) - 20} more quarantined"
         return text
 
     def _table(self) -> Any:

@@ -25,17 +25,20 @@ class DedupStatistics:
     written: int  # distinct uids known as written (including rebuilt ones)
     rebuilt: int  # uids found in the file when the set was rebuilt
     duplicates_dropped: int
+    already_written: int = 0  # of those, uids that were in the file before
 
 
 class WrittenUids:
     """The set of uids the output has written (or decided: dropped, quarantined)."""
 
-    __slots__ = ("_duplicates", "_rebuilt", "_uids")
+    __slots__ = ("_duplicates", "_earlier", "_initial", "_rebuilt", "_uids")
 
     def __init__(self, uids: Iterable[int] = ()) -> None:
         self._uids: set[int] = set(uids)
+        self._initial = frozenset(self._uids)  # written by an earlier run or process
         self._rebuilt = len(self._uids)
         self._duplicates = 0
+        self._earlier = 0
 
     @classmethod
     def from_writer(cls, writer: _HasWrittenUids) -> WrittenUids:
@@ -54,6 +57,8 @@ class WrittenUids:
         uids = self._uids
         if uid in uids:
             self._duplicates += 1
+            if uid in self._initial:
+                self._earlier += 1
             return False
         uids.add(uid)
         return True
@@ -66,6 +71,11 @@ class WrittenUids:
     def duplicates_dropped(self) -> int:
         return self._duplicates
 
+    @property
+    def already_written(self) -> int:
+        """Duplicates whose uid was in the file before (a resumed or restarted output)."""
+        return self._earlier
+
     def __contains__(self, uid: object) -> bool:
         return uid in self._uids
 
@@ -73,7 +83,7 @@ class WrittenUids:
         return len(self._uids)
 
     def statistics(self) -> DedupStatistics:
-        return DedupStatistics(len(self._uids), self._rebuilt, self._duplicates)
+        return DedupStatistics(len(self._uids), self._rebuilt, self._duplicates, self._earlier)
 
     def __repr__(self) -> str:
         return f"<WrittenUids written={len(self._uids)} duplicates_dropped={self._duplicates}>"

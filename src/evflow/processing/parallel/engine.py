@@ -330,6 +330,15 @@ class Parent:
             "workers lost": len(self.lost),
             "workers restarted": self.restarts,
         }
+        ledger = inp.get("ledger")
+        if ledger:  # reliability: what the input's ledger saw
+            counters["retries"] = int(ledger["retries"])
+            counters["event failures"] = int(ledger["failures"])
+            # every event read was dropped by the input path or confirmed by the output
+            lost = int(inp.get("read", 0)) - int(inp.get("dropped", 0)) - int(ledger["confirmed"])
+            counters["events lost"] = max(lost, int(ledger["unconfirmed"]))
+        if out_header.get("already_written"):
+            counters["already in the output (resumed)"] = int(out_header["already_written"])
         skipped = sorted(set(out_header.get("skipped", [])))
         if skipped:
             counters["persistent objects not merged"] = len(skipped)
@@ -360,6 +369,9 @@ class Parent:
             counters=counters,
             outputs=tuple(_outputs(self.split)),
             interrupted=bool(self.signals),
+            quarantined=tuple(
+                (int(u), str(r)) for u, r in out_header.get("quarantine_reasons", [])
+            ),
         )
 
 

@@ -206,6 +206,7 @@ class _Input:
             "batches": self.next_bid,
             "quarantined": self.quarantined,
             "cpu_s": time.process_time(),
+            "ledger": _ledger_counts(self.ledger),
         }
         self.ctl.send_multipart(encode_message(MsgType.RESULT, result))
         self.ctl.linger = 2000
@@ -519,3 +520,15 @@ class _Input:
         message = encode_message(MsgType.END, header, [head, *frames])
         self.end_for_output = message
         self.back.send_multipart([self.output_id, *message])
+
+
+def _ledger_counts(ledger: Ledger) -> dict[str, int]:
+    """The reliability counters of the run's ledger, for the parent's summary."""
+    st = ledger.statistics()
+    return {
+        "confirmed": st.confirmed,
+        "unconfirmed": st.unconfirmed,
+        "retries": st.requeued,
+        "failures": st.failures,
+        "poisoned": st.poisoned,
+    }

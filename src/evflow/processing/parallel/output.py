@@ -283,6 +283,7 @@ class _Output:
             "written": self.written,
             "dropped": self.dropped,
             "duplicates": self.seen.duplicates_dropped,
+            "already_written": self.seen.already_written,
             "quarantined": self.quarantined,
             "quarantine_reasons": [[u, r] for u, r in self.quarantine_reasons.items()],
             "aborted": aborted,

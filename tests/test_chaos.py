@@ -343,3 +343,62 @@ def test_sigkill_of_the_input_stops_clearly_and_resume_completes(tmp_path: FsPat
     killer.join(timeout=5)
     evflow.process(_busy_path(out, 4000), workers=2, quiet=True, resume=True)
     assert_exactly_once(out, 4000)
+
+
+_SIGINT_RUN = """
+import os, random, signal, sys, threading, time
+import psutil
+import evflow
+from evflow.io.generators import ToyGenerator
+from evflow.io.records import RecordOutput
+from evflow.processing.faults import FaultInjector
+path = evflow.Path([
+    ToyGenerator(n_events=200_000, payload_bytes=300, seed=2),
+    FaultInjector(name="hangs", mode="hang", probability=0.002, seed=5),
+    FaultInjector(name="crash", mode="segfault", probability=0.0005, seed=6),
+    RecordOutput(file=sys.argv[1]),
+])
+def killer():
+    rng = random.Random(3)
+    while True:
+        time.sleep(0.1)
+        live = [p for p in psutil.Process().children(recursive=True)
+                if p.name().startswith("worker")]
+        if live:
+            try:
+                os.kill(rng.choice(live).pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+threading.Thread(target=killer, daemon=True).start()
+print("started", flush=True)
+try:
+    evflow.process(path, workers=3, quiet=True, event_timeout_s=0.5,
+                   extra={"max_restarts": 100000, "checkpoint_interval_s": 0.2})
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+def test_sigint_during_chaos_leaves_readable_output_and_nothing_behind(tmp_path: FsPath) -> None:
+    out = tmp_path / "s.evr"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SIGINT_RUN, str(out)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "started"
+        deadline = time.monotonic() + 30
+        while not (out.exists() and out.stat().st_size > 200_000) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert code == 130
+    flags = read_flags(out)  # every record complete and readable
+    assert flags and all(len(f) == 1 for f in flags.values()), "a uid written twice"
+    assert list(tmp_path.glob(".*.tmp.*")) == []  # no checkpoint temp file left
+    # the conftest fixture checks: no child process, ipc file or shm segment left

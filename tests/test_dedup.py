@@ -39,3 +39,30 @@ def test_seen_then_add_and_explicit_drop_count() -> None:
     seen.drop_duplicate()
     assert seen.duplicates_dropped == 1
     assert "duplicates_dropped=1" in repr(seen)
+
+
+def test_a_result_finishing_just_after_its_timeout_is_written_once() -> None:
+    """The basf2 failure ("no matching event backup found", events written twice),
+    step by step with a fake clock: the timeout fires, the event is retried on another
+    worker, then BOTH results reach the output, in either order."""
+    from evflow.processing.parallel.ledger import Failure, Ledger
+
+    for late_first in (True, False):
+        now = [0.0]
+        ledger = Ledger(event_timeout_s=1.0, clock=lambda now=now: now[0])
+        seen = WrittenUids()
+        written: list[int] = []
+        ledger.add(42, 0, "w1", [b"frames"])
+        now[0] = 1.01  # w1 is late: the timeout fires
+        (late,) = ledger.expired()
+        assert late.uid == 42
+        (retry,) = ledger.requeue_worker("w1", Failure.timeout(1.0))
+        ledger.resend(retry.uid, "w2")
+        results = ["w1 (late)", "w2 (retry)"] if late_first else ["w2 (retry)", "w1 (late)"]
+        for _who in results:  # the output receives both, writes the first, confirms
+            if seen.check_and_add(42):
+                written.append(42)
+            ledger.confirm([42])
+        assert written == [42]
+        assert seen.duplicates_dropped == 1
+        assert len(ledger) == 0 and ledger.statistics().duplicate_confirms == 1

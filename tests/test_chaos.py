@@ -402,3 +402,11 @@ def test_sigint_during_chaos_leaves_readable_output_and_nothing_behind(tmp_path:
     assert flags and all(len(f) == 1 for f in flags.values()), "a uid written twice"
     assert list(tmp_path.glob(".*.tmp.*")) == []  # no checkpoint temp file left
     # the conftest fixture checks: no child process, ipc file or shm segment left
+
+
+def test_demo_chaos_survives_and_checks_its_output(tmp_path: FsPath) -> None:
+    from evflow.cli import main
+
+    assert main(["demo", "--chaos", "-n", "1500", "-p", "2", "-q", "-o", str(tmp_path)]) == 0
+    flags = assert_exactly_once(tmp_path / "chaos.evr", 1500)
+    assert {1500 // 7, 1500 // 3, 1500 // 2 + 1} <= quarantined(flags)

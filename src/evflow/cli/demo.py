@@ -42,10 +42,26 @@ def register(subparsers: Any) -> None:
         "(default: ./demo-output)",
     )
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")
+    parser.add_argument(
+        "--chaos",
+        action="store_true",
+        help="instead: a toy run on -p workers (default 4) while workers are SIGKILLed, "
+        "hang, raise and segfault; checks every event is written exactly once",
+    )
     parser.set_defaults(func=handle)
 
 
 def handle(args: argparse.Namespace) -> int:
+    if getattr(args, "chaos", False):
+        from evflow.processing.chaos import run_chaos_demo
+
+        chaos = run_chaos_demo(
+            args.output_dir,
+            n_events=args.max_events or 20_000,
+            workers=args.workers or 4,
+            quiet=args.quiet,
+        )
+        return 0 if chaos.ok else 1
     from evflow.demo import run_demo
 
     try:

@@ -1,0 +1,221 @@
+"""Parallel processing: speedup, serial cost, chain throughput and start-up, one run.
+
+    python benchmarks/bench_parallel.py [--quick] [--plots DIR]
+
+- speedup: eta(p) = T(1) / T(p) for 1 ms and 10 ms of CPU work per event (BusyWork),
+  p = 1 .. 4 (2 cores here, so 3 and 4 oversubscribe), T = the run's wall time from
+  the call to the last event written (start-up included); plot with the ideal line;
+- serial cost: CPU microseconds per event spent by the input and the output process
+  (``time.process_time`` in each, reported in the summary) for 1 kB, 100 kB and 1 MB
+  events with no-op workers;
+- chain throughput: events/s and GB/s through input -> 2 no-op workers -> output,
+  side by side with a raw pyzmq ROUTER -> DEALER -> PUSH/PULL chain (same processes,
+  same payload bytes, one message per event, credit 4, nothing else);
+- start-up: seconds from ``run_parallel`` to the first event processed and to every
+  worker's HELLO, for 2, 8 and 32 workers (in-process; the python interpreter's own
+  start and imports are measured separately).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path as FsPath
+from typing import Any
+
+import zmq
+
+import evflow
+from evflow.io import BusyWork, ToyGenerator
+from evflow.processing.options import ProcessOptions
+from evflow.processing.parallel import run_parallel
+
+
+def run(n: int, payload: int, work_ms: float, workers: int) -> Any:
+    path = evflow.Path([ToyGenerator(n_events=n, payload_bytes=payload), BusyWork(work_ms=work_ms)])
+    return run_parallel(path, ProcessOptions(workers=workers, quiet=True))
+
+
+# --- speedup --------------------------------------------------------------------------------
+def speedup(quick: bool) -> dict[float, dict[int, float]]:
+    results: dict[float, dict[int, float]] = {}
+    for work_ms, n in ((1.0, 1500 if quick else 4000), (10.0, 150 if quick else 400)):
+        times = {}
+        for p in (1, 2, 3, 4):
+            times[p] = run(n, 1024, work_ms, p).wall_s
+        results[work_ms] = times
+        t1 = times[1]
+        print(f"\nspeedup, {work_ms:g} ms/event, {n} events (ideal eta(p) = min(p, 2 cores))")
+        print(" p   T(p) s   eta(p)   eta/p")
+        for p, t in times.items():
+            print(f"{p:2d} {t:8.3f} {t1 / t:8.3f} {t1 / t / p:7.3f}")
+    return results
+
+
+def plot_speedup(results: dict[float, dict[int, float]], out: FsPath) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 4))
+    ps = [1, 2, 3, 4]
+    ax.plot(ps, ps, "k--", label="ideal (p)")
+    ax.plot(ps, [min(p, os.cpu_count() or 2) for p in ps], "k:", label="ideal on 2 cores")
+    for work_ms, times in results.items():
+        ax.plot(ps, [times[1] / times[p] for p in ps], "o-", label=f"{work_ms:g} ms/event")
+    ax.set_xlabel("worker processes p")
+    ax.set_ylabel("speedup T(1)/T(p)")
+    ax.set_title("evflow parallel speedup (2-core machine)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    print(f"plot: {out}")
+
+
+# --- serial cost and chain throughput -------------------------------------------------------
+SIZES = ((1024, 100_000), (100_000, 10_000), (1_000_000, 2_000))
+
+
+def serial_and_chain(quick: bool) -> list[dict[str, float]]:
+    rows = []
+    for size, n in SIZES:
+        n = n // 4 if quick else n
+        s = run(n, size, 0.0, 2)
+        raw_s = raw_chain(n, size, workers=2)
+        row = {
+            "size": size,
+            "n": n,
+            "rate": n / s.wall_s,
+            "gbs": n * size / s.wall_s / 1e9,
+            "in_us": 1e6 * s.counters["input CPU (s)"] / n,
+            "out_us": 1e6 * s.counters["output CPU (s)"] / n,
+            "raw_rate": n / raw_s,
+            "raw_gbs": n * size / raw_s / 1e9,
+        }
+        rows.append(row)
+    print("\nchain with 2 no-op workers vs raw pyzmq (same bytes), serial CPU per event")
+    print(
+        " size      events   evflow ev/s  GB/s   raw ev/s   GB/s   evflow/raw"
+        "  input us/ev  output us/ev"
+    )
+    for r in rows:
+        print(
+            f"{r['size']:>9,} {r['n']:>7} {r['rate']:>11,.0f} {r['gbs']:6.3f} "
+            f"{r['raw_rate']:>10,.0f} {r['raw_gbs']:6.3f} {r['rate'] / r['raw_rate']:9.2f}"
+            f" {r['in_us']:12.1f} {r['out_us']:13.1f}"
+        )
+    return rows
+
+
+def _raw_worker(n_credit: int) -> None:
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect("ipc:///tmp/evflow-bench-raw-in")
+    push = ctx.socket(zmq.PUSH)
+    push.connect("ipc:///tmp/evflow-bench-raw-out")
+    dealer.send(b"R" * n_credit)  # initial credit
+    while True:
+        frame = dealer.recv(copy=False)
+        if len(frame) == 0:
+            break
+        push.send(frame, copy=False)
+        dealer.send(b"R")
+    for s in (dealer, push):
+        s.close(linger=0)  # the output has counted everything before END is sent
+    ctx.term()
+
+
+def _raw_output(total: int) -> None:
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.bind("ipc:///tmp/evflow-bench-raw-out")
+    got = 0
+    while got < total:
+        pull.recv(copy=False)
+        got += 1
+    pull.close(linger=0)
+    ctx.term()
+
+
+def raw_chain(n: int, size: int, workers: int) -> float:
+    """A bare ROUTER -> DEALER -> PUSH/PULL chain moving ``n`` messages of ``size`` bytes."""
+    import multiprocessing as mp
+
+    fork = mp.get_context("fork")
+    out = fork.Process(target=_raw_output, args=(n,))
+    out.start()
+    ws = [fork.Process(target=_raw_worker, args=(4,)) for _ in range(workers)]
+    for w in ws:
+        w.start()
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind("ipc:///tmp/evflow-bench-raw-in")
+    payload = os.urandom(size)
+    t0 = time.monotonic()
+    sent = 0
+    idents = set()
+    while sent < n:
+        ident, credit = router.recv_multipart()
+        idents.add(ident)
+        for _ in range(len(credit)):
+            if sent < n:
+                router.send_multipart([ident, payload], copy=size < 65536)
+                sent += 1
+    out.join()
+    elapsed = time.monotonic() - t0
+    while len(idents) < workers:
+        idents.add(router.recv_multipart()[0])
+    for ident in idents:
+        router.send_multipart([ident, b""])
+    for w in ws:
+        w.join()
+    router.close(linger=0)
+    ctx.term()
+    for f in ("in", "out"):
+        FsPath(f"/tmp/evflow-bench-raw-{f}").unlink(missing_ok=True)
+    return elapsed
+
+
+# --- start-up -------------------------------------------------------------------------------
+def startup() -> list[tuple[int, float, float]]:
+    rows = []
+    for p in (2, 8, 32):
+        s = run(4 * p, 1024, 0.0, p)
+        rows.append(
+            (
+                p,
+                s.counters["start-up to first event (s)"],
+                s.counters["start-up of all workers (s)"],
+            )
+        )
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-c", "import evflow.io, evflow.processing.parallel.engine"])
+    interp = time.monotonic() - t0
+    print("\nstart-up (from run_parallel(); the interpreter + imports take", f"{interp:.2f} s)")
+    print(" workers  first event s  all workers HELLO s")
+    for p, first, ready in rows:
+        print(f"{p:8d} {first:14.3f} {ready:19.3f}")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer events (a smoke run)")
+    parser.add_argument("--plots", default=str(FsPath(__file__).parent / "plots"))
+    args = parser.parse_args()
+    print(f"bench_parallel, {os.cpu_count()} cores, pyzmq {zmq.__version__}")
+    results = speedup(args.quick)
+    plots = FsPath(args.plots)
+    plots.mkdir(parents=True, exist_ok=True)
+    plot_speedup(results, plots / "parallel_speedup.png")
+    serial_and_chain(args.quick)
+    startup()
+
+
+if __name__ == "__main__":
+    main()

@@ -18,7 +18,9 @@ def device_cmd(cls: str, *args: str) -> list[str]:
     return [sys.executable, "-m", "evflow", "device", cls, *args]
 
 
-def start_device(cls: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+def start_device(
+    cls: str, *args: str, env: dict[str, str] | None = None, stdin: int | None = None
+) -> subprocess.Popen[str]:
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = os.pathsep.join(
         [str(TESTS_DIR), *filter(None, [full_env.get("PYTHONPATH")])]
@@ -28,6 +30,7 @@ def start_device(cls: str, *args: str, env: dict[str, str] | None = None) -> sub
         device_cmd(cls, *args),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        stdin=stdin,
         text=True,
         env=full_env,
     )

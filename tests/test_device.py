@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -419,3 +420,25 @@ def test_address_in_use_between_two_device_processes(_runtime_dir: Path) -> None
     finally:
         first.send_signal(signal.SIGINT)
         assert finish(first, 30)[0] == 0
+
+
+def test_interactive_control_over_stdin_with_fairmq_keys(_runtime_dir: Path) -> None:
+    proc = start_device(
+        "_pause_device:PauseDevice",
+        "--id", "p", "--control", "interactive",
+        "--channel-config", "name=in,type=pull,method=bind,address=ipc://",
+        stdin=subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdin is not None
+    proc.stdin.write("i\nk\nb\nx\nj\nRUN\n")
+    proc.stdin.flush()
+    wait_for_line(proc, "STATE RUNNING")
+    time.sleep(0.2)
+    proc.stdin.write("bogus\ns\nt\nreset-device\nq\n")
+    proc.stdin.flush()
+    code, out, err = finish(proc, 30)
+    assert code == 0, err
+    steps = [line.split()[1] for line in out.splitlines() if line.startswith("STATE")]
+    assert steps == FULL_RUN
+    assert "unknown transition 'bogus'" in err
+    assert not list(_runtime_dir.rglob("*"))

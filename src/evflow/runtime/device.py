@@ -40,6 +40,7 @@ import zmq
 
 from evflow.errors import ConfigurationError, ParameterError, StateTransitionError
 from evflow.processing.module import REQUIRED, Param
+from evflow.runtime.device_stats import RateLogger, channel_metrics
 from evflow.runtime.states import (
     SHUTDOWN_STEP,
     STARTUP_SEQUENCE,
@@ -118,7 +119,7 @@ class Device:
         self.error: BaseException | None = None
         self._next_tick = 0.0
         self._next_rate_log = 0.0
-        self._rate_marks: dict[str, tuple[float, int, int, int, int]] = {}
+        self._rates = RateLogger(self.id)
         self._params: dict[str, Any] = {}
         self._set_params(params)
 
@@ -320,7 +321,7 @@ class Device:
 
     def _do_binding(self) -> bool:
         self.channels = {}
-        self._rate_marks = {}
+        self._rates.reset()
         return self._call(lambda: self._open(binding=True), "bind channels") and self._call(
             self.bind, "bind"
         )
@@ -444,39 +445,12 @@ class Device:
         self._next_tick = now_s + POLL_INTERVAL_MS / 1000
         if now_s >= self._next_rate_log:
             self._next_rate_log = now_s + 1.0
-            self._log_rates(now_s)
+            self._rates.log(self.all_channels(), now_s)
         if self._bus is not None:
             try:
                 self._bus.tick(self, now_s)
             except Exception:
                 log.exception("device %s: bus client failed", self.id)
-
-    def _log_rates(self, now_s: float) -> None:
-        for subs in self.channels.values():
-            for ch in subs:
-                every_s = ch.config.rateLogging
-                if not every_s or ch.closed:
-                    continue
-                mark = self._rate_marks.get(ch.label)
-                counts = (ch.messages_in, ch.bytes_in, ch.messages_out, ch.bytes_out)
-                if mark is None:
-                    self._rate_marks[ch.label] = (now_s, *counts)
-                    continue
-                dt = now_s - mark[0]
-                if dt < every_s:
-                    continue
-                d = [c - m for c, m in zip(counts, mark[1:], strict=True)]
-                if any(d):
-                    log.info(
-                        "%s %s: in %.0f msg/s %.3f MB/s, out %.0f msg/s %.3f MB/s",
-                        self.id,
-                        ch.label,
-                        d[0] / dt,
-                        d[1] / dt / 1e6,
-                        d[2] / dt,
-                        d[3] / dt / 1e6,
-                    )
-                self._rate_marks[ch.label] = (now_s, *counts)
 
     def attach_bus(self, bus: Any) -> None:
         """Plug in a control-bus client (``evflow.runtime.busclient.BusClient``).
@@ -492,37 +466,17 @@ class Device:
     # --- introspection -------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:
         """A JSON-able snapshot: state, pid, iterations, per-channel counters, bad messages."""
-        channels = {}
-        totals = {"messages_in": 0, "messages_out": 0, "bytes_in": 0, "bytes_out": 0}
-        for subs in self.channels.values():
-            for ch in subs:
-                st = ch.statistics()
-                entry = {
-                    "type": st.type,
-                    "messages_in": st.messages_in,
-                    "messages_out": st.messages_out,
-                    "bytes_in": st.bytes_in,
-                    "bytes_out": st.bytes_out,
-                    "rcv_hwm": ch.config.rcvBufSize,
-                    "snd_hwm": ch.config.sndBufSize,
-                }
-                channels[ch.label] = entry
-                for key in totals:
-                    totals[key] += entry[key]  # type: ignore[operator]
-        bad: dict[str, int] = {}
-        for counter in self.bad_messages.values():
-            for kind, n in counter.counts.items():
-                bad[kind] = bad.get(kind, 0) + n
         return {
             "node_id": self.id,
             "node_state": str(self.fsm.state),
             "pid": os.getpid(),
             "iterations": self.iterations,
-            **totals,
-            "channels": channels,
-            "bad_messages": sum(bad.values()),
-            "bad_message_kinds": bad,
+            **channel_metrics(self.all_channels(), self.bad_messages),
         }
+
+    def all_channels(self) -> list[Channel]:
+        """Every channel and sub-channel (closed ones too, for their counters)."""
+        return [ch for subs in self.channels.values() for ch in subs]
 
     def summary(self) -> dict[str, Any]:
         """What ``--stats-file`` gets at exit: :meth:`metrics` (subclasses add results)."""

@@ -133,6 +133,7 @@ def build_parser(cls: type[Any], class_spec: str) -> argparse.ArgumentParser:
             dest=f"param_{name}",
             type=conv,
             default=None,
+            metavar=spec.type_name.upper(),
             help=f"{spec.doc} (default {spec.default!r})",
         )
     return parser

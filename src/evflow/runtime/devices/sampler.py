@@ -42,6 +42,7 @@ class Sampler(Device):
 
     def pre_run(self) -> None:
         self._t0 = time.monotonic()
+        self._cpu0 = time.process_time()
 
     def conditional_run(self) -> bool:
         self._out.send(self._frames)
@@ -50,6 +51,7 @@ class Sampler(Device):
 
     def post_run(self) -> None:
         self.elapsed_s = time.monotonic() - self._t0
+        self.cpu_s = time.process_time() - self._cpu0  # all threads, libzmq's I/O thread too
         send_end(self, self.channel_name, 0, self.sent)
         self.acked = wait_for_acks(self, self.channel_name, 1, self.ack_timeout_s)
         log.info(
@@ -67,5 +69,6 @@ class Sampler(Device):
             "acked": getattr(self, "acked", 0),
             "msg_size": self.msg_size,
             "elapsed_s": getattr(self, "elapsed_s", 0.0),
+            "cpu_s": getattr(self, "cpu_s", 0.0),
         }
         return out

@@ -34,6 +34,8 @@ class Sink(Device):
         self.other = 0
         self._t_first = 0.0
         self._t_last = 0.0
+        self._cpu_first = 0.0
+        self._cpu_last = 0.0
         self._needed = self.inputs or len(self.channel_list(self.channel_name))
         self.on_data(self.channel_name, self._handle)
 
@@ -41,12 +43,14 @@ class Sink(Device):
         if msg.type is MsgType.EVENTS:
             if not self.received:
                 self._t_first = time.monotonic()
+                self._cpu_first = time.process_time()
             self.received += 1
             for frame in msg.payload:
                 self.payload_bytes += len(frame)
             return True
         if msg.type is MsgType.END:
             self._t_last = time.monotonic()
+            self._cpu_last = time.process_time()
             count = msg.header.get("count")
             self.announced += count if isinstance(count, int) else 0
             self.ends += 1
@@ -83,6 +87,7 @@ class Sink(Device):
             "other": getattr(self, "other", 0),
             "payload_bytes": nbytes,
             "elapsed_s": elapsed,
+            "cpu_s": max(getattr(self, "_cpu_last", 0.0) - getattr(self, "_cpu_first", 0.0), 0.0),
             "msg_per_s": received / elapsed if elapsed else 0.0,
             "gb_per_s": nbytes / elapsed / 1e9 if elapsed else 0.0,
         }

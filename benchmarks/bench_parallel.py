@@ -143,7 +143,23 @@ def _raw_output(total: int) -> None:
 
 
 def raw_chain(n: int, size: int, workers: int) -> float:
-    """A bare ROUTER -> DEALER -> PUSH/PULL chain moving ``n`` messages of ``size`` bytes."""
+    """A bare ROUTER -> DEALER -> PUSH/PULL chain moving ``n`` messages of ``size`` bytes.
+
+    Runs in a forked helper so that this process never creates a zmq context (the
+    zygote of the evflow runs must be started before one).
+    """
+    import multiprocessing as mp
+
+    fork = mp.get_context("fork")
+    parent_end, child_end = fork.Pipe()
+    helper = fork.Process(target=_raw_router, args=(n, size, workers, child_end))
+    helper.start()
+    elapsed = float(parent_end.recv())
+    helper.join()
+    return elapsed
+
+
+def _raw_router(n: int, size: int, workers: int, result: Any) -> None:
     import multiprocessing as mp
 
     fork = mp.get_context("fork")
@@ -178,7 +194,7 @@ def raw_chain(n: int, size: int, workers: int) -> float:
     ctx.term()
     for f in ("in", "out"):
         FsPath(f"/tmp/evflow-bench-raw-{f}").unlink(missing_ok=True)
-    return elapsed
+    result.send(elapsed)
 
 
 # --- start-up -------------------------------------------------------------------------------

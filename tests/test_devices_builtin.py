@@ -250,3 +250,52 @@ def test_random_bytes_on_every_socket_type_are_counted_not_fatal(
     assert got["sink"]["received"] == len(PEERS) == got["sink"]["announced"]
     assert got["bad_messages"] == sent_bad
     assert set(got["bad_message_kinds"]) <= {"short", "bad-type", "unknown-type", "bad-header"}
+
+
+def test_proxy_chain_keeps_every_message(tmp_path: Path) -> None:
+    n = 20_000
+    procs = [
+        start_device(
+            "sampler", "--id", "src", "--max-iterations", str(n), "--msg-size", "200",
+            *cc(name="data", type="push", method="connect", address="ipc://p-in"),
+            *cc(name="data-ack", type="pull", method="bind", address="ipc://p-in-ack"),
+        ),
+        start_device(
+            "proxy", "--id", "proxy",
+            *cc(name="data-in", type="pull", method="bind", address="ipc://p-in"),
+            *cc(name="data-in-ack", type="push", method="connect", address="ipc://p-in-ack"),
+            *cc(name="data-out", type="dealer", method="bind", address="ipc://p-out"),
+        ),
+        start_device(
+            "sink", "--id", "dst", "--stats-file", str(tmp_path / "sink.json"),
+            *cc(name="data", type="dealer", method="connect", address="ipc://p-out"),
+        ),
+    ]  # fmt: skip
+    results = [finish(p, 90) for p in procs]
+    assert [r[0] for r in results] == [0, 0, 0], [r[2][-800:] for r in results]
+    got = read_stats(tmp_path / "sink.json")["sink"]
+    assert got["received"] == got["announced"] == n
+
+
+def test_sigint_to_a_running_sampler_still_ends_the_stream_exactly(tmp_path: Path) -> None:
+    sink = start_device(
+        "sink", "--id", "sink", "--stats-file", str(tmp_path / "sink.json"),
+        *cc(name="data", type="pull", method="bind", address="ipc://i-data"),
+        *cc(name="data-ack", type="push", method="bind", address="ipc://i-ack"),
+    )  # fmt: skip
+    sampler = start_device(
+        "sampler", "--id", "sampler", "--rate", "2000", "--msg-size", "100",
+        "--stats-file", str(tmp_path / "sampler.json"),
+        *cc(name="data", type="push", method="connect", address="ipc://i-data"),
+        *cc(name="data-ack", type="pull", method="connect", address="ipc://i-ack"),
+    )  # fmt: skip
+    time.sleep(1.5)  # endless sampler (no --max-iterations): running at 2 kHz
+    assert sampler.poll() is None
+    sampler.send_signal(2)
+    code_s, _, err_s = finish(sampler, 30)
+    code_k, _, err_k = finish(sink, 30)
+    assert (code_s, code_k) == (0, 0), err_s + err_k
+    sent = read_stats(tmp_path / "sampler.json")["sampler"]
+    got = read_stats(tmp_path / "sink.json")["sink"]
+    assert sent["sent"] > 100 and sent["acked"] == 1
+    assert got["received"] == got["announced"] == sent["sent"]

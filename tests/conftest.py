@@ -13,7 +13,7 @@ import pytest
 
 
 @pytest.fixture(autouse=True)
-def _runtime_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+def _runtime_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """Give each test a private EVFLOW_RUNTIME_DIR and fail it if ipc files or children remain."""
     base = Path(f"/tmp/evt-{os.getpid()}-{time.monotonic_ns() % 10**9}")
     base.mkdir(mode=0o700)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, MutableMapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 # EventMeta.flags bits

@@ -15,7 +15,10 @@ SHM_PREFIX = "evflow-"
 
 
 def runtime_base_dir() -> Path:
-    """``$EVFLOW_RUNTIME_DIR`` or ``/tmp/evflow-<uid>`` (short: ipc paths are limited to ~100 bytes)."""
+    """``$EVFLOW_RUNTIME_DIR`` or ``/tmp/evflow-<uid>``.
+
+    Kept short on purpose: ipc socket paths are limited to about 100 bytes.
+    """
     env = os.environ.get("EVFLOW_RUNTIME_DIR")
     return Path(env) if env else Path(f"/tmp/evflow-{os.getuid()}")
 

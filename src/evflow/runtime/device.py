@@ -38,8 +38,8 @@ from typing import Any, ClassVar
 
 import zmq
 
-from evflow.errors import ConfigurationError, ParameterError, StateTransitionError
-from evflow.processing.module import REQUIRED, Param
+from evflow.errors import ConfigurationError, StateTransitionError
+from evflow.params import Param, declared_params, resolve_params
 from evflow.runtime.device_stats import RateLogger, channel_metrics
 from evflow.runtime.states import (
     SHUTDOWN_STEP,
@@ -126,28 +126,10 @@ class Device:
     # --- parameters ----------------------------------------------------------------------
     @classmethod
     def declared_params(cls) -> dict[str, Param[Any]]:
-        found: dict[str, Param[Any]] = {}
-        for klass in reversed(cls.__mro__):
-            for key, value in vars(klass).items():
-                if isinstance(value, Param):
-                    found[key] = value
-        return found
+        return declared_params(cls)
 
     def _set_params(self, params: dict[str, Any]) -> None:
-        declared = self.declared_params()
-        unknown = sorted(set(params) - set(declared))
-        if unknown:
-            known = ", ".join(sorted(declared)) or "none"
-            raise ParameterError(
-                f"device {self.id!r} has no parameter {unknown[0]!r} (known: {known})"
-            )
-        for name, spec in declared.items():
-            if name in params:
-                self._params[name] = spec.check(self.id, params[name])
-            elif spec.default is REQUIRED:
-                raise ParameterError(f"device {self.id!r}: parameter {name!r} is required")
-            else:
-                self._params[name] = spec.default
+        self._params.update(resolve_params(f"device {self.id!r}", self.declared_params(), params))
 
     # --- hooks (override) ----------------------------------------------------------------
     def init(self) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from evflow.processing.module import Param
+from evflow.params import Param
 from evflow.runtime.device import Device, Origin
 from evflow.runtime.devices._stream import acknowledge, send_end, wait_for_acks
 from evflow.transport.channel import Channel

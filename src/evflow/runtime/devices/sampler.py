@@ -10,7 +10,7 @@ from typing import Any
 
 import zmq
 
-from evflow.processing.module import Param
+from evflow.params import Param
 from evflow.runtime.device import Device
 from evflow.runtime.devices._stream import send_end, wait_for_acks
 from evflow.transport.channel import COPY_THRESHOLD_BYTES

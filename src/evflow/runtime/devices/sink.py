@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from evflow.errors import PeerLostError
-from evflow.processing.module import Param
+from evflow.params import Param
 from evflow.runtime.device import Device, Origin
 from evflow.runtime.devices._stream import acknowledge
 from evflow.wire.messages import Message, MsgType

@@ -48,6 +48,7 @@ def ledger(n: int, batch: int, workers: int, in_flight: int) -> float:
 
 
 def ledger_batched(n: int, batch: int, workers: int, in_flight: int, send_batch: int) -> float:
+    """Small events: one message (add_lists) per ``send_batch`` events, as the input does."""
     frames = (b"x",)
     led = Ledger(event_timeout_s=60.0)
     pending: list[int] = []
@@ -55,7 +56,10 @@ def ledger_batched(n: int, batch: int, workers: int, in_flight: int, send_batch:
     t0 = time.perf_counter()
     for start in range(0, n, send_batch):
         stop = min(n, start + send_batch)
-        led.add_batch([(i, i, frames) for i in range(start, stop)], names[start % workers])
+        worker = names[(start // send_batch) % workers]
+        ids = list(range(start, stop))  # the input has these lists already
+        led.add_lists(ids, ids, [frames] * len(ids), worker)
+        led.progress(worker, n_events=len(ids))
         pending.extend(range(max(0, start - in_flight), max(0, stop - in_flight)))
         if len(pending) >= batch:
             led.confirm(pending)

@@ -42,6 +42,11 @@ class NullLedger(Ledger):
     def add_batch(self, events: Any, worker: Any, now: float | None = None) -> int:
         return 0
 
+    def add_lists(
+        self, uids: Any, positions: Any, frames: Any, worker: Any, now: Any = None
+    ) -> int:
+        return 0
+
     def confirm(self, uids: Any) -> int:
         return 0
 

@@ -241,6 +241,17 @@ class LedgerMachine(RuleBasedStateMachine):
         self.model[uid] = self.next_pos
         self.next_pos += 1
 
+    @rule(worker=st.integers(0, 3), n=st.integers(1, 4))
+    def send_batch(self, worker: int, n: int) -> None:
+        events = []
+        for _ in range(n):
+            uid = 10_000 + self.next_pos * 3
+            events.append((uid, self.next_pos, (b"f",)))
+            # the checkpoint is conservative inside a batch: its first position
+            self.model[uid] = self.next_pos - len(events) + 1
+            self.next_pos += 1
+        self.ledger.add_batch(events, worker)
+
     @precondition(lambda self: self.model)
     @rule(data=st.data())
     def confirm_some(self, data: st.DataObject) -> None:

@@ -400,9 +400,7 @@ class _Input:
                     return
                 self._send(ident, slot, batch)
                 now = time.monotonic() if self.ledger.event_timeout_s is not None else 0.0
-                self.ledger.add_batch(
-                    zip(batch.uids, batch.positions, batch.enc, strict=True), slot.name, now
-                )
+                self.ledger.add_lists(batch.uids, batch.positions, batch.enc, slot.name, now)
 
     def _resend_one(self, ident: bytes, slot: _Slot) -> bool:
         """Send the next re-queued event alone; an isolated one only to an idle worker."""
@@ -428,7 +426,7 @@ class _Input:
         """--ordered: stay within ``reorder_window`` events of the oldest unconfirmed one."""
         if not self.ordered or not len(self.ledger):
             return False
-        oldest = self.seq_of.get(self.ledger.entries()[0].uid, self.next_seq)
+        oldest = self.seq_of.get(self.ledger.oldest_uid(), self.next_seq)  # type: ignore[arg-type]
         return self.next_seq - oldest >= self.reorder_window
 
     def _read_batch(self, n: int) -> Batch | None:

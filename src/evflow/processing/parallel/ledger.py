@@ -98,6 +98,7 @@ class LedgerEntry:
         "failures",
         "frames",
         "isolate",
+        "origin",
         "position",
         "reasons",
         "send",
@@ -129,6 +130,7 @@ class LedgerEntry:
         self.isolate = False  # send it to a worker holding nothing else
         self.reasons: tuple[str, ...] = ()  # why attempts failed, oldest first
         self.send = 0  # number of the message it was last sent in (per ledger)
+        self.origin: _Batch | None = None  # the batch it was first sent in, if any
 
     @property
     def poisoned(self) -> bool:
@@ -144,6 +146,40 @@ class LedgerEntry:
             f"<LedgerEntry uid={self.uid} position={self.position} {self.state.value} "
             f"worker={self.worker!r} attempt={self.attempt} failures={self.failures}>"
         )
+
+
+class _Batch:
+    """Events first sent together (``add_batch``): one record instead of one per event.
+
+    ``_entries`` maps each of its uids to the batch until something needs the event
+    on its own (a failure, a timeout, ``get``): then the batch is *materialized* into
+    ``LedgerEntry`` objects. ``open`` counts its uids still mapped to it, ``live`` its
+    materialized entries not yet confirmed; it is done when both are 0.
+    """
+
+    __slots__ = ("frames", "live", "open", "positions", "send", "sent_at_s", "uids", "worker")
+
+    def __init__(
+        self,
+        uids: Sequence[int],
+        positions: Sequence[int],
+        frames: Sequence[Any],
+        worker: Hashable,
+        sent_at_s: float,
+        send: int,
+    ) -> None:
+        self.uids = uids
+        self.positions = positions
+        self.frames = frames
+        self.worker = worker
+        self.sent_at_s = sent_at_s
+        self.send = send
+        self.open = len(uids)
+        self.live = 0
+
+    @property
+    def position(self) -> int:
+        return self.positions[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,14 +228,15 @@ class Ledger:
         self.max_attempts = max_attempts
         self.event_timeout_s = event_timeout_s
         self._clock = clock
-        self._entries: dict[int, LedgerEntry] = {}
+        self._entries: dict[int, Any] = {}  # uid -> LedgerEntry, or its _Batch
         self._by_worker: dict[Hashable, dict[int, LedgerEntry]] = {}
         self._progress_s: dict[Hashable, float] = {}
         # per worker, its messages not yet finished, in order: [send number, events]
         self._unfinished: dict[Hashable, deque[list[int]]] = {}
         self._tracking = False  # progress() has been told event counts (READY)
         self._next_send = 1
-        self._order: deque[LedgerEntry] = deque()  # send order = increasing position
+        self._wbatches: dict[Hashable, dict[int, _Batch]] = {}  # worker -> send -> batch
+        self._order: deque[Any] = deque()  # entries and batches, increasing position
         self._next_position = start_position
         # recently confirmed uids, two generations: tells duplicate confirms from unknown
         self._recent: set[int] = set()
@@ -247,35 +284,97 @@ class Ledger:
         worker: Hashable,
         now: float | None = None,
     ) -> int:
-        """Record ``(uid, position, frames)`` events sent to ``worker`` in one message.
+        """Record ``(uid, position, frames)`` events sent to ``worker`` in one message."""
+        uids, positions, frames = [], [], []
+        for uid, position, f in events:
+            uids.append(uid)
+            positions.append(position)
+            frames.append(f)
+        return self.add_lists(uids, positions, frames, worker, now)
 
-        The fast path for small events (one clock call and one lookup per batch).
-        Returns how many were added.
+    def add_lists(
+        self,
+        uids: Sequence[int],
+        positions: Sequence[int],
+        frames: Sequence[Any],
+        worker: Hashable,
+        now: float | None = None,
+    ) -> int:
+        """Record the events of one message to ``worker``: the fast path for batches.
+
+        One record for the whole message and one dict insert per uid; the lists are
+        kept by reference (the caller must not change them). Returns how many events.
         """
-        sent_at_s = self._clock() if now is None else now
-        wdict = self._worker_dict(worker)
-        entries, append = self._entries, self._order.append
-        next_position = self._next_position
-        count = 0
-        send = self._next_send
-        for uid, position, frames in events:  # _insert, inlined: this is the hot loop
-            entry = LedgerEntry(uid, position, worker, sent_at_s, 1, frames)
-            entry.send = send
-            if position < next_position or entries.setdefault(uid, entry) is not entry:
-                self._next_position = next_position
-                self._added += count
-                self._insert(entry, wdict)  # raises the right InternalError
-            next_position = position + 1
-            append(entry)
-            wdict[uid] = entry
-            count += 1
-        self._next_position = next_position
-        self._added += count
-        self._new_send(worker, count)
-        n = len(self._entries)
-        if n > self._max_unconfirmed:
-            self._max_unconfirmed = n
-        return count
+        n = len(uids)
+        if not n:
+            return 0
+        if positions[0] < self._next_position or positions[-1] < positions[0]:
+            raise InternalError(
+                f"ledger: positions {positions[0]}..{positions[-1]} of a batch are below the "
+                f"next expected position {self._next_position} or not increasing"
+            )
+        send = self._new_send(worker, n)
+        batch = _Batch(uids, positions, frames, worker, self._clock() if now is None else now, send)
+        entries = self._entries
+        setdefault = entries.setdefault
+        for uid in uids:
+            if setdefault(uid, batch) is not batch:
+                for u in uids:  # undo, then refuse
+                    if entries.get(u) is batch:
+                        del entries[u]
+                raise InternalError(f"ledger: uid {uid} added twice (use resend() for a retry)")
+        wb = self._wbatches.get(worker)
+        if wb is None:
+            wb = self._wbatches[worker] = {}
+        wb[send] = batch
+        self._order.append(batch)
+        self._next_position = positions[-1] + 1
+        self._added += n
+        if len(entries) > self._max_unconfirmed:
+            self._max_unconfirmed = len(entries)
+        return n
+
+    def _materialize(self, batch: _Batch) -> list[LedgerEntry]:
+        """Give each still-unconfirmed event of ``batch`` its own entry (rare path)."""
+        entries = self._entries
+        made = []
+        wdict = self._worker_dict(batch.worker)
+        for i, uid in enumerate(batch.uids):
+            if entries.get(uid) is batch:
+                e = LedgerEntry(
+                    uid, batch.positions[i], batch.worker, batch.sent_at_s, 1, batch.frames[i]
+                )
+                e.send = batch.send
+                e.origin = batch
+                entries[uid] = e
+                wdict[uid] = e
+                made.append(e)
+        batch.open = 0
+        batch.live += len(made)
+        wb = self._wbatches.get(batch.worker)
+        if wb is not None:
+            wb.pop(batch.send, None)
+        return made
+
+    def _materialize_worker(self, worker: Hashable) -> None:
+        """Every batch ``worker`` holds becomes entries, oldest first."""
+        wb = self._wbatches.pop(worker, None)
+        if not wb:
+            return
+        old = self._by_worker.pop(worker, {})
+        for batch in sorted(wb.values(), key=lambda b: b.send):
+            self._materialize(batch)
+        merged = self._worker_dict(worker)
+        merged.update(old)  # entries sent later (resends) after the batches
+        ordered = sorted(merged.values(), key=lambda e: e.send)
+        self._by_worker[worker] = {e.uid: e for e in ordered}
+
+    def _entry(self, uid: int) -> LedgerEntry | None:
+        obj = self._entries.get(uid)
+        if type(obj) is _Batch:
+            self._materialize(obj)
+            obj = self._entries.get(uid)
+        return obj
 
     def _insert(self, entry: LedgerEntry, wdict: dict[int, LedgerEntry]) -> None:
         uid, position = entry.uid, entry.position
@@ -309,6 +408,19 @@ class Ledger:
                     self._unknown_confirms += 1
                 continue
             done += 1
+            self._recent.add(uid)
+            if type(entry) is _Batch:  # the hot path: an event of a batch, never failed
+                entry.open -= 1
+                if now is None:
+                    now = self._clock()
+                self._progress_s[entry.worker] = now
+                if not entry.open and not entry.live:
+                    wb = self._wbatches.get(entry.worker)
+                    if wb is not None:
+                        wb.pop(entry.send, None)
+                continue
+            if entry.origin is not None:
+                entry.origin.live -= 1
             state = entry.state
             if state is _IN_FLIGHT:
                 wdict = self._by_worker.get(entry.worker)
@@ -323,7 +435,6 @@ class Ledger:
                 self._poisoned_pending -= 1
             entry.state = _CONFIRMED
             entry.frames = ()  # let the buffers go even if someone keeps the entry
-            self._recent.add(uid)
         self._confirmed += done
         if len(self._recent) > self.RECENT_CONFIRMS:
             self._recent_old, self._recent = self._recent, set()
@@ -332,7 +443,13 @@ class Ledger:
     def checkpoint_position(self) -> int:
         """The lowest unconfirmed source position: every position below it is confirmed."""
         order = self._order
-        while order and order[0].state is _CONFIRMED:
+        while order:
+            head = order[0]
+            if type(head) is _Batch:
+                if head.open or head.live:
+                    break
+            elif head.state is not _CONFIRMED:
+                break
             order.popleft()
         return order[0].position if order else self._next_position
 
@@ -369,12 +486,19 @@ class Ledger:
             return []
         now = self._clock() if now is None else now
         found = []
-        for worker, wdict in self._by_worker.items():
-            if not wdict:
+        for worker in {*self._by_worker, *self._wbatches}:
+            wdict = self._by_worker.get(worker)
+            wb = self._wbatches.get(worker)
+            oldest: Any = next(iter(wdict.values())) if wdict else None
+            batch = next(iter(wb.values())) if wb else None
+            if batch is not None and (oldest is None or batch.send < oldest.send):
+                oldest = batch
+            if oldest is None:
                 continue
-            oldest = next(iter(wdict.values()))
             start = max(oldest.sent_at_s, self._progress_s.get(worker, oldest.sent_at_s))
             if now - start > self.event_timeout_s:
+                if type(oldest) is _Batch:
+                    oldest = self._materialize(oldest)[0]
                 found.append(oldest)
         return found
 
@@ -388,6 +512,7 @@ class Ledger:
         others ``PENDING`` (send them again with ``resend``). See the module doc for
         who is charged.
         """
+        self._materialize_worker(worker)
         wdict = self._by_worker.pop(worker, None)
         self._progress_s.pop(worker, None)
         q = self._unfinished.pop(worker, None)
@@ -435,7 +560,7 @@ class Ledger:
         Returns the entry (``PENDING`` or ``POISONED``) or ``None`` if it is not ours
         any more (already confirmed).
         """
-        entry = self._entries.get(uid)
+        entry = self._entry(uid)
         if entry is None or entry.state is not _IN_FLIGHT:
             return None
         wdict = self._by_worker.get(entry.worker)
@@ -451,7 +576,7 @@ class Ledger:
         poisoned entries stay poisoned (send them to the output again). Returns all
         entries in position order.
         """
-        entries = [e for e in self._order if e.state is not _CONFIRMED]
+        entries = self.entries()
         self._by_worker.clear()
         self._progress_s.clear()
         self._unfinished.clear()
@@ -477,7 +602,7 @@ class Ledger:
 
     # --- introspection ------------------------------------------------------------------
     def get(self, uid: int) -> LedgerEntry | None:
-        return self._entries.get(uid)
+        return self._entry(uid)
 
     def __contains__(self, uid: object) -> bool:
         return uid in self._entries
@@ -488,11 +613,22 @@ class Ledger:
     def in_flight(self, worker: Hashable) -> int:
         """How many unconfirmed events ``worker`` holds."""
         wdict = self._by_worker.get(worker)
-        return len(wdict) if wdict else 0
+        wb = self._wbatches.get(worker)
+        return (len(wdict) if wdict else 0) + (sum(b.open for b in wb.values()) if wb else 0)
 
     def entries(self) -> list[LedgerEntry]:
-        """All unconfirmed entries in position order (a copy)."""
-        return [e for e in self._order if e.state is not _CONFIRMED]
+        """All unconfirmed entries in position order (materializes every batch: slow)."""
+        for worker in list(self._wbatches):
+            self._materialize_worker(worker)
+        return sorted(self._entries.values(), key=lambda e: (e.position, e.send))
+
+    def oldest_uid(self) -> int | None:
+        """The uid of the oldest unconfirmed message's first event (cheap)."""
+        self.checkpoint_position()
+        if not self._order:
+            return None
+        head = self._order[0]
+        return head.uids[0] if type(head) is _Batch else head.uid
 
     def statistics(self) -> LedgerStatistics:
         n = len(self._entries)

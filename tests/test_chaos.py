@@ -410,3 +410,24 @@ def test_demo_chaos_survives_and_checks_its_output(tmp_path: FsPath) -> None:
     assert main(["demo", "--chaos", "-n", "1500", "-p", "2", "-q", "-o", str(tmp_path)]) == 0
     flags = assert_exactly_once(tmp_path / "chaos.evr", 1500)
     assert {1500 // 7, 1500 // 3, 1500 // 2 + 1} <= quarantined(flags)
+
+
+def test_worker_over_its_memory_limit_is_recycled_without_losing_events(
+    tmp_path: FsPath,
+) -> None:
+    out = tmp_path / "m.evr"
+    path = Path(
+        [
+            ToyGenerator(n_events=1500, payload_bytes=200),
+            BusyWork(work_ms=0.2),
+            FaultInjector(mode="memory", memory_mb=100, uids=[100, 600, 1100]),
+            RecordOutput(file=str(out), fsync=False),
+        ]
+    )
+    rss_mb = psutil.Process().memory_info().rss / 2**20  # a fresh worker (our fork) has less
+    summary = evflow.process(
+        path, workers=2, quiet=True, extra={"worker_memory_limit_mb": rss_mb + 30}
+    )
+    assert_exactly_once(out, 1500)
+    assert summary.counters["workers recycled"] == 3
+    assert summary.counters["workers lost"] == 0 and summary.counters["events lost"] == 0

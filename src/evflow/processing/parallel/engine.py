@@ -37,7 +37,7 @@ from evflow.processing.parallel.input import input_main
 from evflow.processing.parallel.output import output_main
 from evflow.processing.parallel.persist import decode_persistent
 from evflow.processing.parallel.split import SplitPath
-from evflow.processing.parallel.worker import worker_main
+from evflow.processing.parallel.worker import EXIT_RECYCLE, worker_main
 from evflow.processing.statistics import ModuleStatistics
 from evflow.processing.summary import RunSummary
 from evflow.runtime.zygote import Zygote
@@ -87,6 +87,7 @@ class Parent:
         )
         self.timed_out: set[int] = set()  # worker pids killed for a timeout
         self.output_restarts = 0
+        self.recycled = 0
         self.max_output_restarts = int(extra.get("max_output_restarts", 3))
         self.session = f"par-{os.getpid()}-{secrets.token_hex(3)}"
         self.pids: dict[int, str] = {}  # live children: pid -> role name
@@ -172,7 +173,8 @@ class Parent:
         self.generation[index] = gen + 1
         name = f"worker-{index}" if gen == 0 else f"worker-{index}.{gen}"
         buffer = self.options.event_buffer
-        pid = self.zygote.spawn(worker_main, self.session, name, buffer, name=name)
+        limit_mb = float((self.options.extra or {}).get("worker_memory_limit_mb", 0.0))
+        pid = self.zygote.spawn(worker_main, self.session, name, buffer, limit_mb, name=name)
         self.pids[pid] = name
 
     # --- the watch loop -----------------------------------------------------------------
@@ -240,6 +242,10 @@ class Parent:
     def _exited(self, pid: int, code: int) -> None:
         name = self.pids.pop(pid, None)
         if name is None or code == 0 or self.aborting_at:
+            return
+        if code == EXIT_RECYCLE and name.startswith("worker") and not self.hard:
+            self.recycled += 1  # over worker_memory_limit_mb after its event: a fresh fork
+            self._spawn_worker(int(name.split("-")[1].split(".")[0]))
             return
         if not name.startswith("worker"):
             if name in self.results and "aborted" not in self.results[name][0]:
@@ -327,6 +333,7 @@ class Parent:
             "duplicates dropped": int(out_header.get("duplicates", 0)),
             "timeouts": len(self.timed_out),
             "output restarts": self.output_restarts,
+            "workers recycled": self.recycled,
             "workers lost": len(self.lost),
             "workers restarted": self.restarts,
         }

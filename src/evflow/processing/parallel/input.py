@@ -251,6 +251,10 @@ class _Input:
         elif msg.type == MsgType.GOODBYE and slot is not None:
             self.goodbye.append(slot.name)
             del self.workers[ident]
+            # a worker recycled early (memory limit) may leave messages it never read
+            recycled = Failure("recycled", "worker ended early (worker_memory_limit_mb)")
+            entries = self.ledger.requeue_worker(slot.name, recycled, culprit_uid=-1)
+            self.resend.extend(e for e in entries if not e.poisoned)
 
     def _on_output(self, frames: list[bytes]) -> None:
         msg = decode_message(frames[1:])

@@ -36,9 +36,11 @@ from evflow.wire.messages import BadMessageCounter, MsgType, encode_message, hel
 
 #: exit code of a worker whose path failed (the parent shows the error it sent)
 EXIT_ERROR = 3
+#: exit code of a worker that ended early because its RSS passed the memory limit
+EXIT_RECYCLE = 75
 
 
-def worker_main(session: str, name: str, event_buffer: int) -> int:
+def worker_main(session: str, name: str, event_buffer: int, memory_limit_mb: float = 0.0) -> int:
     """Entry point in a forked worker process; returns the exit code."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent drives the shutdown
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # "stop at once" means exactly that
@@ -50,6 +52,7 @@ def worker_main(session: str, name: str, event_buffer: int) -> int:
             encode_message(MsgType.HELLO, {"role": "worker", "name": name, "pid": os.getpid()})
         )
         worker = _Worker(ctx, session, name, event_buffer, ctl.socket, channels)
+        worker.memory_limit_b = int(memory_limit_mb * 1024 * 1024)
         return worker.run()
     except EvflowError as exc:
         ctl.socket.send_multipart(error_message(name, exc))
@@ -85,6 +88,7 @@ class _Worker:
         self.events_kept = 0
         self.first_event_at = 0.0  # wall clock (s) when the first batch arrived
         self.bad = BadMessageCounter(f"worker {name}")
+        self.memory_limit_b = 0  # reliability: recycle the worker above this RSS (0: never)
 
     def run(self) -> int:
         hello = hello_header(pid=os.getpid(), name=self.name)
@@ -99,6 +103,11 @@ class _Worker:
                     self._process(msg.header, msg.payload)
                 except (KeyError, TypeError, ValueError) as exc:
                     self.bad.record("bad-batch", str(exc))
+                if self.memory_limit_b and self._over_memory():
+                    # recycle: end like at END (results, statistics, GOODBYE); the input
+                    # sends what this worker still held elsewhere; the parent forks anew
+                    self._finish(None)
+                    return EXIT_RECYCLE
             elif msg.type == MsgType.END:
                 self._finish(msg.header.get("run"))
                 return 0
@@ -157,6 +166,12 @@ class _Worker:
         self.dealer.send_multipart(encode_message(MsgType.READY, ready))
         self.events_in += len(events)
         self.events_kept += len(kept)
+
+    def _over_memory(self) -> bool:
+        """RSS above ``memory_limit_b``? Checked after every message (~10 us, /proc)."""
+        with open("/proc/self/statm", "rb") as f:
+            rss_b = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return rss_b > self.memory_limit_b
 
     def _finish(self, last_run: Any) -> None:
         chain = self.chain

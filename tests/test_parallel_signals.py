@@ -114,3 +114,35 @@ def test_killed_parent_takes_every_role_with_it(tmp_path):
     # ipc files of the killed run are removed here (conftest checks the runtime dir)
     for p in sorted(Path(os.environ["EVFLOW_RUNTIME_DIR"]).rglob("*"), reverse=True):
         p.unlink() if not p.is_dir() else p.rmdir()
+
+
+def test_running_parallel_run_answers_on_its_control_bus(tmp_path):
+    import zmq
+
+    from evflow.runtime.busclient import BusEndpoints, find_bus_sessions
+    from evflow.runtime.buscontrol import BusController
+
+    proc = start(tmp_path, tmp_path / "out.evr")
+    try:
+        deadline = time.monotonic() + 10
+        sessions: list[str] = []
+        while not sessions and time.monotonic() < deadline:
+            time.sleep(0.05)
+            sessions = find_bus_sessions()
+        assert sessions, "the run's bus never appeared in the runtime directory"
+        ctx = zmq.Context()
+        ctl = BusController(ctx, BusEndpoints.for_session(sessions[0]))
+        try:
+            reply = ctl.request("get-run", "parallel", timeout_s=5)[0]
+            state = ctl.request("check-state", "parallel", timeout_s=5)[0]
+        finally:
+            ctl.close()
+            ctx.term()
+        assert reply["ok"], reply
+        assert reply["data"]["workers"] == 2
+        assert {"input", "output", "worker-0", "worker-1"} <= set(reply["data"]["processes"])
+        assert state["data"]["node_state"] == "RUNNING"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code, err = finish(proc)
+    assert code == 130, err[-2000:]

@@ -40,6 +40,8 @@ from evflow.processing.parallel.split import SplitPath
 from evflow.processing.parallel.worker import EXIT_RECYCLE, worker_main
 from evflow.processing.statistics import ModuleStatistics
 from evflow.processing.summary import RunSummary
+from evflow.runtime.bus import BusProxy
+from evflow.runtime.busclient import BusClient
 from evflow.runtime.zygote import Zygote
 from evflow.transport.paths import runtime_base_dir
 from evflow.wire.messages import BadMessageCounter, MsgType, encode_message
@@ -114,12 +116,20 @@ class Parent:
         zygote = Zygote().start()  # before any zmq context in this process
         ctx: zmq.Context[Any] | None = None
         ctl = None
+        proxy: BusProxy | None = None
+        self.bus: BusClient | None = None
         start = time.monotonic()
         self.started_at = time.time()
         try:
             ctx = zmq.Context()
             ctl = channel(ctx, self.session, "ctl", "router", "bind")
             self.zygote, self.ctl = zygote, ctl.socket
+            # the run's control bus: `evflow ctl` finds it in the session directory
+            proxy = BusProxy(ctx, self.session)
+            proxy.start_thread()
+            self.bus = BusClient(ctx, "parallel", proxy.endpoints, state=self._bus_state)
+            self.bus.handle("get-run", lambda args: self._progress())
+            self.bus.publish_state(new="RUNNING")
             self.pids[zygote.spawn(output_main, self.session, self.role_options, name="output")] = (
                 "output"
             )
@@ -132,6 +142,10 @@ class Parent:
             wall_s = time.monotonic() - start
         finally:
             zygote.stop(grace_s=0.5)
+            if self.bus is not None:
+                self.bus.close()
+            if proxy is not None:
+                proxy.close()
             if ctl is not None:
                 ctl.close(linger_ms=0)
             if ctx is not None:
@@ -151,6 +165,25 @@ class Parent:
         if self.role_options.get("checkpoint"):  # complete: nothing left to resume
             checkpoint.CheckpointFile(str(self.role_options["checkpoint"])).remove()
         return summary
+
+    def _bus_state(self) -> str:
+        if self.error is not None:
+            return "ERROR"
+        if self.signals or self.done_at:
+            return "STOPPING"
+        return "RUNNING"
+
+    def _progress(self) -> dict[str, Any]:
+        """What ``evflow ctl`` gets for ``get-run``: the processes and their fate so far."""
+        return {
+            "session": self.session,
+            "workers": self.n_workers,
+            "processes": sorted(self.pids.values()),
+            "workers lost": len(self.lost),
+            "workers restarted": self.restarts,
+            "signals": len(self.signals),
+            "elapsed_s": round(time.time() - self.started_at, 3),
+        }
 
     def _install_signals(self) -> Any:
         if threading.current_thread() is not threading.main_thread():
@@ -188,6 +221,8 @@ class Parent:
             for pid, code in self.zygote.exits():
                 self._exited(pid, code)
             self._handle_signals()
+            if self.bus is not None:
+                self.bus.tick()  # metrics once a second, answers check-state / get-run
             now = time.monotonic()
             roles_done = "input" not in self.pids.values() and "output" not in self.pids.values()
             if roles_done and not self.done_at:

@@ -54,7 +54,8 @@ class NullLedger(Ledger):
         return None
 
 
-def throughput(payload_b: int, n: int, workers: int, null: bool) -> float:
+def throughput(payload_b: int, n: int, workers: int, null: bool) -> tuple[float, float]:
+    """(events/s, input CPU us/event) of one run."""
     input_role.Ledger = NullLedger if null else Ledger  # type: ignore[misc]
     try:
         path = Path([ToyGenerator(n_events=n, payload_bytes=payload_b), BusyWork(work_ms=0.0)])
@@ -62,7 +63,7 @@ def throughput(payload_b: int, n: int, workers: int, null: bool) -> float:
     finally:
         input_role.Ledger = Ledger  # type: ignore[misc]
     assert summary.events_read == n
-    return n / summary.wall_s
+    return n / summary.wall_s, summary.counters["input CPU (s)"] / n * 1e6
 
 
 class Stamp(Module):
@@ -219,15 +220,22 @@ def main() -> None:
     a = ap.parse_args()
     small_n, big_n = (20_000, 100) if a.quick else (200_000, 600)
     print(f"# 1. throughput with and without the ledger ({a.workers} no-op workers, best of 3)")
-    print(f"{'event size':<12}{'events':>9}{'ledger on (ev/s)':>18}{'off (ev/s)':>14}{'cost':>8}")
+    print(
+        f"{'size':<6}{'events':>8}{'on (ev/s)':>11}{'off (ev/s)':>11}{'cost':>7}"
+        f"{'input CPU on (us/ev)':>22}{'off':>7}{'cost':>7}"
+    )
     for size, n in ((1024, small_n), (1 << 20, big_n)):
         on, off = [], []
         for _ in range(3):
             on.append(throughput(size, n, a.workers, null=False))
             off.append(throughput(size, n, a.workers, null=True))
-        cost = 1 - max(on) / max(off)
+        rate_on, rate_off = max(r for r, _ in on), max(r for r, _ in off)
+        cpu_on, cpu_off = min(c for _, c in on), min(c for _, c in off)
         label = "1 kB" if size == 1024 else "1 MB"
-        print(f"{label:<12}{n:>9}{max(on):>18,.0f}{max(off):>14,.0f}{cost:>8.1%}")
+        print(
+            f"{label:<6}{n:>8}{rate_on:>11,.0f}{rate_off:>11,.0f}{1 - rate_on / rate_off:>7.1%}"
+            f"{cpu_on:>22.1f}{cpu_off:>7.1f}{cpu_on / cpu_off - 1:>7.1%}"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         print("\n# 2. recovery")
         w = [worker_recovery_s(os.path.join(tmp, f"w{i}")) for i in range(3)]

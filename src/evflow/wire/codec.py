@@ -29,26 +29,46 @@ for same-host runs that carry arbitrary Python objects, as an explicit opt-in.
 
 from __future__ import annotations
 
-import functools
-import struct
-import threading
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Iterable, Sequence
+from typing import Any
 
-import msgpack
 import numpy as np
 
 from evflow.errors import CodecError, ConfigurationError
-from evflow.processing.datastore import DataStore, EventMeta
+from evflow.processing.datastore import DataStore
 from evflow.wire._arrays import (
     array_from_buffer,
     as_bytes_view,
     dtype_str,
-    ext_default,
-    ext_hook,
     parse_dtype,
 )
-from evflow.wire._pickle_codec import PICKLE_MAGIC, PickleCodec
+from evflow.wire._header import (
+    CODEC_VERSION,
+    INLINE_MAX_BYTES,
+    KIND_BATCH,
+    KIND_EVENT,
+    T_ARRAY,
+    T_AWKWARD,
+    T_VALUE,
+    Frame,
+    batch_parts,
+    meta_bytes,
+    meta_from_bytes,
+    packb,
+    short,
+    unexpected,
+    unpack_header,
+)
+from evflow.wire._pickle_codec import PickleCodec
+from evflow.wire._raw import (
+    join_events,
+    pack_frames,
+    peek_meta,
+    peek_metas,
+    split_batch,
+    unpack_frames,
+    with_meta,
+)
 
 __all__ = [
     "CODEC_VERSION",
@@ -70,47 +90,14 @@ __all__ = [
     "with_meta",
 ]
 
-CODEC_VERSION = 1
-KIND_EVENT = 0
-KIND_BATCH = 1
-T_VALUE, T_ARRAY, T_AWKWARD = 0, 1, 2
-# Buffers up to this size are copied into the header; larger ones get a zero-copy frame.
-# Below ~16 kB a memcpy costs less than a separate ZeroMQ frame (~1-2 µs each).
-INLINE_MAX_BYTES = 16 * 1024
-_META = struct.Struct("<QqqqQq")
-# A version-1 event header starts with fixarray(4), 1, 0, bin8(48): the meta follows.
-_EVENT_PREFIX = bytes([0x94, CODEC_VERSION, KIND_EVENT, 0xC4, _META.size])
-_META_START = len(_EVENT_PREFIX)
-_META_END = _META_START + _META.size
 # An awkward array may declare at most 8 elements per buffer byte (bit-masks) plus this
 # slack: zero-width nodes (empty records, size-0 RegularArray) otherwise let a tiny
 # message declare a length of 2**40 that later hangs whoever iterates it.
 AWKWARD_LENGTH_SLACK = 4096
 
-Frame = bytes | memoryview
-_T = TypeVar("_T")
 _PLAIN = frozenset({int, float, str, bytes, bool, type(None), dict, list, tuple})
 # Subclasses (IntEnum members, OrderedDict, ...) travel as their base type.
 _PLAIN_BASES = (int, float, str, bytes, dict, list, tuple, np.generic)
-
-
-_local = threading.local()
-
-
-def _packb(obj: Any) -> bytes:
-    # A Packer per thread: reusing one saves ~0.3 µs per call, but its ``default``
-    # hook runs Python code, so two threads must not share one.
-    try:
-        packer = _local.packer
-    except AttributeError:
-        packer = _local.packer = msgpack.Packer(default=ext_default)
-    try:
-        packed: bytes = packer.pack(obj)
-        return packed
-    except CodecError:
-        raise
-    except (OverflowError, ValueError, TypeError) as exc:
-        raise CodecError(f"cannot encode event header: {exc}") from None
 
 
 # --- encoding --------------------------------------------------------------------------
@@ -161,16 +148,6 @@ def _encode_awkward(name: str, value: Any, frames: list[Frame]) -> tuple[Any, ..
     return (name, T_AWKWARD, form.to_json(), length, bufs)
 
 
-def _meta_bytes(m: EventMeta) -> bytes:
-    try:
-        return _META.pack(m.uid, m.experiment, m.run, m.event, m.flags, m.attempt)
-    except struct.error as exc:
-        raise CodecError(
-            f"cannot encode event meta {m}: {exc} (uid and flags are unsigned 64-bit, "
-            "experiment, run, event and attempt signed 64-bit integers)"
-        ) from None
-
-
 def encode_event(store: DataStore) -> list[Frame]:
     """Encode one event: ``[header, *buffers]``; large buffers are zero-copy views.
 
@@ -179,7 +156,7 @@ def encode_event(store: DataStore) -> list[Frame]:
     """
     frames: list[Frame] = [b""]
     entries = _encode_objects(store.objects, frames)
-    frames[0] = _packb((CODEC_VERSION, KIND_EVENT, _meta_bytes(store.meta), entries))
+    frames[0] = packb((CODEC_VERSION, KIND_EVENT, meta_bytes(store.meta), entries))
     return frames
 
 
@@ -191,100 +168,20 @@ def encode_batch(stores: Iterable[DataStore]) -> list[Frame]:
     for store in stores:
         own: list[Frame] = [b""]
         entries = _encode_objects(store.objects, own)
-        headers.append(_packb((CODEC_VERSION, KIND_EVENT, _meta_bytes(store.meta), entries)))
+        headers.append(packb((CODEC_VERSION, KIND_EVENT, meta_bytes(store.meta), entries)))
         counts.append(len(own) - 1)
         frames.extend(own[1:])
-    frames[0] = _packb((CODEC_VERSION, KIND_BATCH, headers, counts))
-    return frames
-
-
-def join_events(events: Iterable[Sequence[Frame]]) -> list[Frame]:
-    """Join already-encoded events (``encode_event`` outputs) into one batch, no re-encode."""
-    headers: list[Any] = []
-    counts: list[int] = []
-    frames: list[Frame] = [b""]
-    for ev in events:
-        if not ev:
-            raise CodecError("cannot join an empty frame list into a batch")
-        head = ev[0]
-        headers.append(head if type(head) is bytes else memoryview(head))  # packs as bin
-        counts.append(len(ev) - 1)
-        frames.extend(ev[1:])
-    frames[0] = _packb((CODEC_VERSION, KIND_BATCH, headers, counts))
+    frames[0] = packb((CODEC_VERSION, KIND_BATCH, headers, counts))
     return frames
 
 
 # --- decoding --------------------------------------------------------------------------
-def _unpack_header(frames: Sequence[Any]) -> list[Any]:
-    if not frames:
-        raise CodecError("no frames: an encoded event has at least a header frame")
-    head = frames[0]
-    try:
-        header = msgpack.unpackb(head, raw=False, strict_map_key=False, ext_hook=ext_hook)
-    except CodecError:
-        raise
-    except Exception as exc:
-        if _starts_with(head, PICKLE_MAGIC):
-            raise CodecError(
-                "these frames were encoded by the pickle codec; the default codec never "
-                "unpickles (decode with PickleCodec, and only data from this host)"
-            ) from None
-        raise CodecError(
-            f"event header is not valid msgpack: {type(exc).__name__}: {exc}"
-        ) from None
-    if type(header) is not list or len(header) < 2:
-        raise CodecError(f"event header is not a codec header: {_short(header)}")
-    if header[0] != CODEC_VERSION or type(header[0]) is not int:
-        raise CodecError(
-            f"unknown codec format version {_short(header[0])} (this evflow reads version "
-            f"{CODEC_VERSION}); encode and decode with the same evflow version"
-        )
-    return header
-
-
-def _starts_with(frame: Any, prefix: bytes) -> bool:
-    try:
-        return bytes(memoryview(frame)[: len(prefix)]) == prefix
-    except Exception:
-        return False
-
-
-def _unexpected(what: str, exc: Exception) -> CodecError:
-    # The decoders check everything they know of; this is the net under those checks,
-    # so that nothing but CodecError ever leaves a decoder.
-    return CodecError(f"frames do not decode ({what}): {type(exc).__name__}: {exc}")
-
-
-def _guarded(func: Callable[..., _T]) -> Callable[..., _T]:
-    @functools.wraps(func)
-    def wrapper(*args: Any) -> _T:
-        try:
-            return func(*args)
-        except CodecError:
-            raise
-        except Exception as exc:
-            raise _unexpected(func.__name__, exc) from None
-
-    return wrapper
-
-
-def _short(obj: Any) -> str:
-    text = repr(obj)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _meta(m: Any) -> EventMeta:
-    if type(m) is not bytes or len(m) != _META.size:
-        raise CodecError(f"bad event meta in header: {_short(m)} (expected {_META.size} bytes)")
-    return EventMeta(*_META.unpack(m))
-
-
 def _take(data: Any, frames: Sequence[Any], nxt: int, end: int, first: int) -> Any:
     """The buffer frame that ``data`` (an int) refers to; frames must be used in order."""
     # frame numbers in a header are 1-based within the event and come in order
     if type(data) is not int or data != nxt - first + 1 or nxt >= end:
         raise CodecError(
-            f"bad buffer reference {_short(data)} in header (expected frame "
+            f"bad buffer reference {short(data)} in header (expected frame "
             f"{nxt - first + 1} of {end - first})"
         )
     return frames[nxt]
@@ -296,8 +193,8 @@ def _decode_body(
     if header[1] != KIND_EVENT or len(header) != 4:
         if header[1] == KIND_BATCH:
             raise CodecError("these frames are a batch of events; use decode_batch")
-        raise CodecError(f"bad event header: kind {_short(header[1])}, {len(header)} fields")
-    meta = _meta(header[2])
+        raise CodecError(f"bad event header: kind {short(header[1])}, {len(header)} fields")
+    meta = meta_from_bytes(header[2])
     entries = header[3]
     if type(entries) is not list:
         raise CodecError("bad event header: entries are not a list")
@@ -306,7 +203,7 @@ def _decode_body(
     objects: dict[str, Any] = {}
     for entry in entries:
         if type(entry) is not list or type(entry[0]) is not str:
-            raise CodecError(f"bad object entry in header: {_short(entry)}")
+            raise CodecError(f"bad object entry in header: {short(entry)}")
         n = len(entry)
         tag = entry[1]
         if tag == T_VALUE and n == 3:
@@ -323,7 +220,7 @@ def _decode_body(
         elif tag == T_AWKWARD and n == 5:
             objects[entry[0]], nxt = _decode_awkward(entry, frames, nxt, end, first)
         else:
-            raise CodecError(f"bad object entry in header: {_short(entry)}")
+            raise CodecError(f"bad object entry in header: {short(entry)}")
     if nxt != end:
         raise CodecError(f"event has {count} buffer frames but its header uses {nxt - first}")
     return DataStore(meta, objects)
@@ -341,7 +238,7 @@ def _decode_awkward(
     nbytes = 0
     for item in bufs:
         if type(item) is not list or len(item) != 2 or type(item[0]) is not str:
-            raise CodecError(f"bad awkward buffer entry in {name!r}: {_short(item)}")
+            raise CodecError(f"bad awkward buffer entry in {name!r}: {short(item)}")
         data = item[1]
         if type(data) is not bytes:
             data = _take(data, frames, nxt, end, first)
@@ -369,31 +266,12 @@ def decode_event(frames: Sequence[Any], *, writable: bool = False) -> DataStore:
     place, as they can in a sequential run. Raises :class:`CodecError`.
     """
     try:
-        header = _unpack_header(frames)
+        header = unpack_header(frames)
         return _decode_body(header, frames, 1, len(frames) - 1, writable)
     except CodecError:
         raise
     except Exception as exc:
-        raise _unexpected("decode_event", exc) from None
-
-
-def _batch_parts(frames: Sequence[Any]) -> tuple[list[Any], list[int]]:
-    header = _unpack_header(frames)
-    if header[1] != KIND_BATCH or len(header) != 4:
-        if header[1] == KIND_EVENT:
-            raise CodecError("these frames are a single event, not a batch; use decode_event")
-        raise CodecError(f"bad batch header: kind {_short(header[1])}, {len(header)} fields")
-    headers, counts = header[2], header[3]
-    if type(headers) is not list or type(counts) is not list or len(headers) != len(counts):
-        raise CodecError("bad batch header: event headers and frame counts do not match")
-    total = 0
-    for k in counts:
-        if type(k) is not int or k < 0:
-            raise CodecError(f"bad batch header: frame count {_short(k)}")
-        total += k
-    if total != len(frames) - 1:
-        raise CodecError(f"batch header lists {total} buffer frames, message has {len(frames) - 1}")
-    return headers, counts
+        raise unexpected("decode_event", exc) from None
 
 
 def decode_batch(frames: Sequence[Any], *, writable: bool = False) -> list[DataStore]:
@@ -402,121 +280,19 @@ def decode_batch(frames: Sequence[Any], *, writable: bool = False) -> list[DataS
     ``writable`` as for :func:`decode_event`.
     """
     try:
-        headers, counts = _batch_parts(frames)
+        headers, counts = batch_parts(frames)
         stores = []
         first = 1
         for head, k in zip(headers, counts, strict=True):
             if type(head) is not bytes:
                 raise CodecError("bad batch header: an event header is not bytes")
-            stores.append(_decode_body(_unpack_header((head,)), frames, first, k, writable))
+            stores.append(_decode_body(unpack_header((head,)), frames, first, k, writable))
             first += k
         return stores
     except CodecError:
         raise
     except Exception as exc:
-        raise _unexpected("decode_batch", exc) from None
-
-
-@_guarded
-def split_batch(frames: Sequence[Any]) -> list[list[Any]]:
-    """The events of a batch as separate ``encode_event``-style frame lists (no decode)."""
-    headers, counts = _batch_parts(frames)
-    out = []
-    first = 1
-    for head, k in zip(headers, counts, strict=True):
-        if type(head) is not bytes:
-            raise CodecError("bad batch header: an event header is not bytes")
-        out.append([head, *frames[first : first + k]])
-        first += k
-    return out
-
-
-def _single_meta(frames: Sequence[Any], what: str) -> EventMeta:
-    if not frames:
-        raise CodecError("no frames: an encoded event has at least a header frame")
-    head = frames[0]
-    if type(head) is not bytes:
-        head = memoryview(head)
-    if len(head) > _META_END and head[:_META_START] == _EVENT_PREFIX:
-        return EventMeta(*_META.unpack_from(head, _META_START))
-    header = _unpack_header(frames[:1])  # raises the precise error, or:
-    if header[1] == KIND_BATCH:
-        raise CodecError(f"{what} needs a single event's frames, these are a batch")
-    if len(header) == 4:
-        _meta(header[2])  # names the problem with the meta
-    raise CodecError(f"{what}: bad event header: {_short(header)}")
-
-
-@_guarded
-def peek_meta(frames: Sequence[Any]) -> EventMeta:
-    """The meta of one encoded event from the first bytes of its header (< 1 µs).
-
-    Only the meta is read; :func:`decode_event` validates the rest.
-    """
-    return _single_meta(frames, "peek_meta (use peek_metas for batches)")
-
-
-@_guarded
-def peek_metas(frames: Sequence[Any]) -> list[EventMeta]:
-    """The metas of a batch (or of a single event, as a one-element list)."""
-    if frames and _starts_with(frames[0], _EVENT_PREFIX):
-        return [peek_meta(frames)]
-    headers, _ = _batch_parts(frames)
-    metas = []
-    for head in headers:
-        if type(head) is not bytes:
-            raise CodecError("bad batch header: an event header is not bytes")
-        metas.append(peek_meta((head,)))
-    return metas
-
-
-@_guarded
-def with_meta(frames: Sequence[Any], meta: EventMeta) -> list[Any]:
-    """A copy of an encoded event's frames with a new meta (e.g. attempt or flags changed).
-
-    Only the meta bytes of the header are replaced; buffer frames are reused as they are.
-    """
-    _single_meta(frames, "with_meta")
-    head = memoryview(frames[0])
-    new_head = b"".join((head[:_META_START], _meta_bytes(meta), head[_META_END:]))
-    return [new_head, *frames[1:]]
-
-
-# --- one contiguous buffer -------------------------------------------------------------
-_U32 = struct.Struct("<I")
-
-
-def pack_frames(frames: Sequence[Any]) -> bytes:
-    """Frames as one buffer: ``u32 count, count x u64 length, the frames' bytes``."""
-    lens = [memoryview(f).nbytes if type(f) is not bytes else len(f) for f in frames]
-    head = _U32.pack(len(lens)) + struct.pack(f"<{len(lens)}Q", *lens)
-    return b"".join([head, *frames])
-
-
-@_guarded
-def unpack_frames(buf: Any) -> list[memoryview]:
-    """The inverse of :func:`pack_frames`: zero-copy views into ``buf``."""
-    try:
-        view = memoryview(buf).cast("B")
-    except TypeError as exc:
-        raise CodecError(f"cannot read packed frames from {type(buf).__name__}: {exc}") from None
-    size = view.nbytes
-    if size < 4:
-        raise CodecError(f"packed frames too short: {size} bytes (need at least 4)")
-    (count,) = _U32.unpack_from(view, 0)
-    pos = 4 + 8 * count
-    if pos > size:
-        raise CodecError(f"packed frames claim {count} frames but hold only {size} bytes")
-    lens = struct.unpack_from(f"<{count}Q", view, 4)
-    if sum(lens) != size - pos:
-        raise CodecError(
-            f"packed frames: lengths add up to {sum(lens)} bytes, buffer has {size - pos}"
-        )
-    out = []
-    for n in lens:
-        out.append(view[pos : pos + n])
-        pos += n
-    return out
+        raise unexpected("decode_batch", exc) from None
 
 
 # --- choosing a codec ------------------------------------------------------------------

@@ -33,13 +33,21 @@ import queue
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import zmq
 
 from evflow.errors import ConfigurationError, StateTransitionError
 from evflow.params import Param, declared_params, resolve_params
+from evflow.runtime._loops import (
+    DRAIN_BATCH,
+    POLL_INTERVAL_MS,
+    Handler,
+    Origin,
+    conditional_loop,
+    data_loop,
+    idle_loop,
+)
 from evflow.runtime.device_stats import RateLogger, channel_metrics
 from evflow.runtime.states import (
     SHUTDOWN_STEP,
@@ -49,27 +57,14 @@ from evflow.runtime.states import (
     Transition,
 )
 from evflow.transport.channel import Channel, ChannelConfig, open_channel
-from evflow.wire.messages import BadMessageCounter, Message, MsgType, encode_message
+from evflow.wire.messages import BadMessageCounter, MsgType, encode_message
+
+__all__ = ["BIDIRECTIONAL", "DRAIN_BATCH", "POLL_INTERVAL_MS", "Device", "Handler", "Origin"]
 
 log = logging.getLogger("evflow.device")
 
 #: socket types whose peer can answer on the same socket
 BIDIRECTIONAL = frozenset({"pair", "dealer", "router", "req", "rep"})
-#: how long the loops block before looking at flags and timers (ms)
-POLL_INTERVAL_MS = 100
-#: messages taken from one socket before the others get a turn
-DRAIN_BATCH = 256
-
-
-@dataclass(frozen=True, slots=True)
-class Origin:
-    """Where a message came from: the channel and, on ROUTER channels, the peer identity."""
-
-    channel: Channel
-    peer: bytes | None = None
-
-
-Handler = Callable[[Message, Origin], "bool | None"]
 
 
 class Device:
@@ -330,88 +325,16 @@ class Device:
         if not self._call(self.pre_run, "pre_run"):
             return False
         if type(self).conditional_run is not Device.conditional_run:
-            loop, name = self._conditional_loop, "conditional_run"
+            loop, name = conditional_loop, "conditional_run"
         elif self._handlers:
-            loop, name = self._data_loop, "on_data handler"
+            loop, name = data_loop, "on_data handler"
         else:
-            loop, name = self._idle_loop, "run"
-        ok = self._call(loop, name)
+            loop, name = idle_loop, "run"
+        ok = self._call(lambda: loop(self), name)
         if self.fsm.state is State.ERROR:
             self._call(self.post_run, "post_run")
             return False
         return self._call(self.post_run, "post_run") and ok
-
-    # --- the RUNNING loops ---------------------------------------------------------------
-    def _conditional_loop(self) -> None:
-        period_s = 1.0 / self.rate_hz if self.rate_hz else 0.0
-        limit = self.max_iterations
-        next_s = time.monotonic()
-        run = self.conditional_run
-        while not self._loop_stop:
-            if not run():
-                break
-            self.iterations += 1
-            if limit and self.iterations >= limit:
-                break
-            if period_s:
-                next_s += period_s
-                self._sleep_until(next_s)
-            else:
-                self._tick()
-
-    def _sleep_until(self, deadline_s: float) -> None:
-        while not self._loop_stop:
-            now = time.monotonic()
-            if now >= deadline_s:
-                return
-            self._tick(now)
-            time.sleep(min(deadline_s - now, POLL_INTERVAL_MS / 1000))
-
-    def _idle_loop(self) -> None:
-        while not self._loop_stop:
-            self._tick()
-            time.sleep(POLL_INTERVAL_MS / 1000)
-
-    def _data_loop(self) -> None:
-        poller = zmq.Poller()
-        targets: dict[Any, tuple[Channel, Handler, BadMessageCounter, Origin]] = {}
-        for name, handler in self._handlers.items():
-            for ch in self.channel_list(name):
-                poller.register(ch.socket, zmq.POLLIN)
-                targets[ch.socket] = (ch, handler, self.bad_messages[ch.label], Origin(ch))
-        limit = self.max_iterations
-        noblock = zmq.NOBLOCK
-        while not self._loop_stop:
-            self._tick()
-            for sock, _ in poller.poll(POLL_INTERVAL_MS):
-                ch, handler, bad, origin = targets[sock]
-                router = ch.type == "router"
-                for _ in range(DRAIN_BATCH):
-                    try:
-                        frames = ch.recv(noblock)
-                    except zmq.Again:
-                        break
-                    if router:
-                        if len(frames) < 2:
-                            bad.record("short", "routed message without identity")
-                            continue
-                        origin = Origin(ch, frames[0])
-                        frames = frames[1:]
-                    msg = bad.decode(frames)
-                    if msg is None:
-                        if ch.type == "rep":  # REP must answer before it can receive again
-                            ch.send(encode_message(MsgType.REPLY, {"error": "bad message"}))
-                        continue
-                    self.iterations += 1
-                    sent_before = ch.messages_out
-                    result = handler(msg, origin)
-                    if ch.type == "rep" and ch.messages_out == sent_before:
-                        ch.send(encode_message(MsgType.ACK))  # the handler did not answer
-                    if result is False or (limit and self.iterations >= limit):
-                        self._loop_stop = True
-                        break
-                if self._loop_stop:
-                    break
 
     def channel_list(self, name: str) -> list[Channel]:
         if name not in self.channels:

@@ -1,0 +1,119 @@
+"""The RUNNING loops of a :class:`~evflow.runtime.device.Device`.
+
+One of them runs while a device is RUNNING: ``conditional_loop`` (the device overrides
+``conditional_run``), ``data_loop`` (``on_data`` handlers: poll, drain, decode and
+dispatch messages, answering REP requests the handler left unanswered) or ``idle_loop``.
+Each keeps the device's timers going (``_tick``) and ends when the device's loop-stop
+flag is set, when a hook or handler returns False, or after ``max_iterations``. They are
+the device's own code, moved here to keep the state-machine driver short, and so read
+its private flags.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from evflow.transport.channel import Channel
+from evflow.wire.messages import BadMessageCounter, Message, MsgType, encode_message
+
+if TYPE_CHECKING:
+    from evflow.runtime.device import Device
+
+#: how long the loops block before looking at flags and timers (ms)
+POLL_INTERVAL_MS = 100
+#: messages taken from one socket before the others get a turn
+DRAIN_BATCH = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Where a message came from: the channel and, on ROUTER channels, the peer identity."""
+
+    channel: Channel
+    peer: bytes | None = None
+
+
+Handler = Callable[[Message, Origin], "bool | None"]
+
+
+def conditional_loop(dev: Device) -> None:
+    """Call ``conditional_run`` until it returns False, at ``rate_hz`` when set."""
+    period_s = 1.0 / dev.rate_hz if dev.rate_hz else 0.0
+    limit = dev.max_iterations
+    next_s = time.monotonic()
+    run = dev.conditional_run
+    while not dev._loop_stop:
+        if not run():
+            break
+        dev.iterations += 1
+        if limit and dev.iterations >= limit:
+            break
+        if period_s:
+            next_s += period_s
+            _sleep_until(dev, next_s)
+        else:
+            dev._tick()
+
+
+def _sleep_until(dev: Device, deadline_s: float) -> None:
+    while not dev._loop_stop:
+        now = time.monotonic()
+        if now >= deadline_s:
+            return
+        dev._tick(now)
+        time.sleep(min(deadline_s - now, POLL_INTERVAL_MS / 1000))
+
+
+def idle_loop(dev: Device) -> None:
+    """No hook and no handler: keep the timers going until asked to stop."""
+    while not dev._loop_stop:
+        dev._tick()
+        time.sleep(POLL_INTERVAL_MS / 1000)
+
+
+def data_loop(dev: Device) -> None:
+    """Poll the channels that have ``on_data`` handlers and hand each message over."""
+    poller = zmq.Poller()
+    targets: dict[Any, tuple[Channel, Handler, BadMessageCounter, Origin]] = {}
+    for name, handler in dev._handlers.items():
+        for ch in dev.channel_list(name):
+            poller.register(ch.socket, zmq.POLLIN)
+            targets[ch.socket] = (ch, handler, dev.bad_messages[ch.label], Origin(ch))
+    limit = dev.max_iterations
+    noblock = zmq.NOBLOCK
+    while not dev._loop_stop:
+        dev._tick()
+        for sock, _ in poller.poll(POLL_INTERVAL_MS):
+            ch, handler, bad, origin = targets[sock]
+            router = ch.type == "router"
+            for _ in range(DRAIN_BATCH):
+                try:
+                    frames = ch.recv(noblock)
+                except zmq.Again:
+                    break
+                if router:
+                    if len(frames) < 2:
+                        bad.record("short", "routed message without identity")
+                        continue
+                    origin = Origin(ch, frames[0])
+                    frames = frames[1:]
+                msg = bad.decode(frames)
+                if msg is None:
+                    if ch.type == "rep":  # REP must answer before it can receive again
+                        ch.send(encode_message(MsgType.REPLY, {"error": "bad message"}))
+                    continue
+                dev.iterations += 1
+                sent_before = ch.messages_out
+                result = handler(msg, origin)
+                if ch.type == "rep" and ch.messages_out == sent_before:
+                    ch.send(encode_message(MsgType.ACK))  # the handler did not answer
+                if result is False or (limit and dev.iterations >= limit):
+                    dev._loop_stop = True
+                    break
+            if dev._loop_stop:
+                break

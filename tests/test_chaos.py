@@ -332,17 +332,28 @@ def test_sigkill_of_the_output_restarts_it_and_every_uid_is_written_once(
     assert summary.events_read == 4000
 
 
-def test_sigkill_of_the_input_stops_clearly_and_resume_completes(tmp_path: FsPath) -> None:
+def test_sigkill_of_the_input_restarts_it_from_the_checkpoint_and_the_run_completes(
+    tmp_path: FsPath,
+) -> None:
     out = tmp_path / "i.evr"
     ckpt = FsPath(str(out) + ".ckpt")
     killer = _kill_role_when("input", lambda: ckpt.exists() and out.stat().st_size > 300_000)
-    with pytest.raises(evflow.EvflowError, match=r"input process .* died .*--resume"):
-        evflow.process(
-            _busy_path(out, 4000), workers=2, quiet=True, extra={"checkpoint_interval_s": 0.1}
-        )
+    summary = evflow.process(
+        _busy_path(out, 4000), workers=2, quiet=True, extra={"checkpoint_interval_s": 0.1}
+    )
     killer.join(timeout=5)
-    evflow.process(_busy_path(out, 4000), workers=2, quiet=True, resume=True)
+    assert summary.counters["input restarts"] == 1
+    assert summary.counters["events lost"] == 0
     assert_exactly_once(out, 4000)
+
+
+def test_without_an_output_file_a_dead_input_stops_the_run_clearly(tmp_path: FsPath) -> None:
+    path = Path([ToyGenerator(n_events=100_000), BusyWork(work_ms=0.05)])
+    t0 = time.monotonic()
+    killer = _kill_role_when("input", lambda: time.monotonic() - t0 > 0.5)
+    with pytest.raises(evflow.EvflowError, match=r"the input process .* died with signal 9"):
+        evflow.process(path, workers=2, quiet=True)
+    killer.join(timeout=5)
 
 
 _SIGINT_RUN = """

@@ -89,6 +89,8 @@ class Parent:
         )
         self.timed_out: set[int] = set()  # worker pids killed for a timeout
         self.output_restarts = 0
+        self.input_restarts = 0
+        self.max_input_restarts = int(extra.get("max_input_restarts", 3))
         self.recycled = 0
         self.max_output_restarts = int(extra.get("max_output_restarts", 3))
         self.session = f"par-{os.getpid()}-{secrets.token_hex(3)}"
@@ -287,6 +289,8 @@ class Parent:
                 return
             if name == "output" and self._restart_output(pid, code):
                 return
+            if name == "input" and self._restart_input():
+                return
             resume = " (continue it with --resume)" if self.role_options.get("checkpoint") else ""
             self._fail(
                 PeerLostError(
@@ -324,6 +328,30 @@ class Parent:
         self.output_restarts += 1
         options = {**self.role_options, "restart": True}
         self.pids[self.zygote.spawn(output_main, self.session, options, name="output")] = "output"
+        return True
+
+    def _restart_input(self) -> bool:
+        """Reliability: a dead input is forked again and reads from the checkpoint.
+
+        The workers hold messages of the dead input and are unknown to the new one, so
+        they are replaced too; the output drops what it already wrote (dedup) and says
+        HELLO to the new input. Needs a checkpoint (an output file); not with --ordered.
+        """
+        ckpt = self.role_options.get("checkpoint")
+        if self.hard or self.error is not None or self.options.ordered or not ckpt:
+            return False
+        if self.input_restarts >= self.max_input_restarts:
+            return False
+        cp = checkpoint.CheckpointFile(str(ckpt)).load()
+        start = cp.position if cp else int(self.role_options.get("start_position") or 0)
+        self.input_restarts += 1
+        for pid, name in list(self.pids.items()):
+            if name.startswith("worker"):
+                with contextlib.suppress(EvflowError):
+                    self.zygote.kill(pid, signal.SIGKILL)
+        options = {**self.role_options, "start_position": start}
+        self.pids[self.zygote.spawn(input_main, self.session, options, name="input")] = "input"
+        self._send("output", MsgType.HELLO)  # the output introduces itself to the new input
         return True
 
     def _fail(self, error: EvflowError) -> None:
@@ -368,6 +396,7 @@ class Parent:
             "duplicates dropped": int(out_header.get("duplicates", 0)),
             "timeouts": len(self.timed_out),
             "output restarts": self.output_restarts,
+            "input restarts": self.input_restarts,
             "workers recycled": self.recycled,
             "workers lost": len(self.lost),
             "workers restarted": self.restarts,

@@ -146,6 +146,8 @@ class _Output:
                     self.end_at = time.monotonic()
                 elif msg.type == MsgType.KILL:
                     self.abort = True
+                elif msg.type == MsgType.HELLO:  # from the parent: a new input started
+                    self.back.send_multipart(encode_message(MsgType.HELLO, self.hello))
             except (KeyError, TypeError, ValueError, IndexError) as exc:
                 self.bad.record("bad-header", f"{type(exc).__name__}: {exc}")
 

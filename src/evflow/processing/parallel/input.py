@@ -38,6 +38,7 @@ from evflow.processing.parallel.batching import (
 )
 from evflow.processing.parallel.checkpoint import CheckpointFile, CheckpointWriter
 from evflow.processing.parallel.common import channel, current_split, error_message
+from evflow.processing.parallel.fastpath import encoded_source, read_encoded
 from evflow.processing.parallel.ledger import Failure, Ledger, LedgerEntry
 from evflow.processing.parallel.persist import encode_persistent
 from evflow.wire.codec import encode_event
@@ -158,6 +159,7 @@ class _Input:
         self.done = False
         self.bad = BadMessageCounter("input")
         self.it: Any = None
+        self.encoded = False  # the source yields encoded events (fastpath.py)
 
     def on_term(self, signum: int, frame: Any) -> None:
         self.abort = True
@@ -166,7 +168,9 @@ class _Input:
     def run(self) -> int:
         self.chain.initialize()
         try:
-            self.it = iter(self.source.events(self.start_position))
+            fast = encoded_source(self.chain, self.start_position)
+            self.encoded = fast is not None
+            self.it = fast if fast is not None else iter(self.source.events(self.start_position))
             poller = zmq.Poller()
             for s in (self.router, self.back, self.ctl):
                 poller.register(s, zmq.POLLIN)
@@ -434,6 +438,21 @@ class _Input:
         return self.next_seq - oldest >= self.reorder_window
 
     def _read_batch(self, n: int) -> Batch | None:
+        if self.encoded:
+            enc, uids, positions = read_encoded(self, self.it, n)
+        else:
+            enc, uids, positions = self._read_stores(n)
+        if not enc:
+            return None
+        seq0 = self.next_seq
+        self.next_seq += len(enc)
+        if self.ordered:
+            self.seq_of.update(zip(uids, range(seq0, self.next_seq), strict=True))
+        seqs = u64(range(seq0, self.next_seq))
+        return Batch(enc, uids, positions, seqs, self.sizer.packed)
+
+    def _read_stores(self, n: int) -> tuple[list[Any], list[int], list[int]]:
+        """Up to ``n`` events from the source, through the input path, encoded."""
         enc: list[Any] = []
         uids: list[int] = []
         positions: list[int] = []
@@ -471,14 +490,7 @@ class _Input:
             enc.append(frames)
             uids.append(meta.uid)
             positions.append(self.start_position + self.read - 1)
-        if not enc:
-            return None
-        seq0 = self.next_seq
-        self.next_seq += len(enc)
-        if self.ordered:
-            self.seq_of.update(zip(uids, range(seq0, self.next_seq), strict=True))
-        seqs = u64(range(seq0, self.next_seq))
-        return Batch(enc, uids, positions, seqs, self.sizer.packed)
+        return enc, uids, positions
 
     def _send(self, ident: bytes, slot: _Slot, batch: Batch) -> None:
         bid = self.next_bid

@@ -22,20 +22,18 @@ at once through ``zygote.fileno()``, and every child dies with the supervisor.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import selectors
-import shutil
 import signal
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from evflow.errors import ConfigurationError, EvflowError, TimeoutError_
+from evflow.errors import ConfigurationError, EvflowError
+from evflow.runtime._devicestop import walk_down
 from evflow.runtime.processes import (
     RESTART_POLICIES,
     ExitEvent,
@@ -44,7 +42,7 @@ from evflow.runtime.processes import (
     describe_exit,
 )
 from evflow.runtime.zygote import Zygote
-from evflow.transport.paths import SHM_PREFIX, runtime_base_dir
+from evflow.transport.paths import remove_session_files
 
 __all__ = [
     "BUS_PROCESS",
@@ -373,56 +371,15 @@ class Supervisor:
             self.poll(0.05)
 
     def _stop_device(self, proc: ManagedProcess, deadline_s: float) -> None:
-        """Walk a device down FairMQ's shutdown sequence over the bus.
-
-        Each round asks for the state and requests the shutdown step of that state
-        (RUNNING: STOP, READY: RESET_TASK, DEVICE_READY: RESET_DEVICE, IDLE: END); a
-        device busy in a hook answers late, so timeouts only end the walk at the deadline.
-        """
-        from evflow.runtime.states import SHUTDOWN_STEP, State
-
-        controller = self._bus_controller()
-        device_id = str(proc.spec.device_id)
-        requested: set[tuple[str, str]] = set()
-
-        def gone() -> bool:  # notice its exit while we wait for an answer
-            self.poll(0)
-            return not proc.alive or self._fast
-
-        while not self._fast and (left := deadline_s - time.monotonic()) > 0:
-            self.poll(0)
-            if not proc.alive:
-                return
-            try:
-                replies = controller.request(
-                    "check-state", device_id, timeout_s=min(1.2, left), abort=gone
-                )
-                if not replies:
-                    continue  # aborted: it exited (checked above) or a fast stop
-                state = State((replies[0].get("data") or {}).get("node_state"))
-            except TimeoutError_:
-                continue
-            except (EvflowError, ValueError) as exc:
-                log.warning("device %s: no state over the bus (%s)", device_id, exc)
-                return
-            step = SHUTDOWN_STEP.get(state)
-            if step is None or (state.name, step.name) in requested:
-                self.poll(0.05)
-                continue
-            log.info("stopping device %s: %s -> %s", device_id, state, step)
-            requested.add((state.name, step.name))
-            try:
-                controller.request(
-                    "transition",
-                    device_id,
-                    {"transition": step.name},
-                    timeout_s=max(0.1, min(1.2, deadline_s - time.monotonic())),
-                    abort=gone,
-                )
-            except TimeoutError_:
-                continue
-            if step.name == "END":
-                return  # the device exits by itself now; the caller waits for it
+        """Walk a device down FairMQ's shutdown sequence over the bus (see _devicestop)."""
+        walk_down(
+            self._bus_controller(),
+            str(proc.spec.device_id),
+            deadline_s,
+            poll=self.poll,
+            alive=lambda: proc.alive,
+            fast=lambda: self._fast,
+        )
 
     def _bus_controller(self) -> Any:
         if self._controller is None:
@@ -451,15 +408,7 @@ class Supervisor:
 
     def cleanup(self) -> None:
         """Remove the session's ipc directory and shared-memory segments."""
-        path = runtime_base_dir() / self.session
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        prefix = f"{SHM_PREFIX}{self.session}"
-        with contextlib.suppress(FileNotFoundError):
-            for name in os.listdir("/dev/shm"):
-                if name.startswith(prefix):
-                    with contextlib.suppress(OSError):
-                        Path("/dev/shm", name).unlink()
+        remove_session_files(self.session)
 
     def __enter__(self) -> Supervisor:
         return self.start()

@@ -7,7 +7,9 @@ is left under the base directory.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 from pathlib import Path
 
 #: names of shared-memory segments evflow creates start with this
@@ -28,3 +30,16 @@ def session_dir(session: str) -> Path:
     path = runtime_base_dir() / session
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     return path
+
+
+def remove_session_files(session: str) -> None:
+    """Remove the ipc directory of ``session`` and its ``/dev/shm`` segments (if any)."""
+    path = runtime_base_dir() / session
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    prefix = f"{SHM_PREFIX}{session}"
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir("/dev/shm"):
+            if name.startswith(prefix):
+                with contextlib.suppress(OSError):
+                    Path("/dev/shm", name).unlink()

@@ -442,3 +442,19 @@ def test_worker_over_its_memory_limit_is_recycled_without_losing_events(
     assert_exactly_once(out, 1500)
     assert summary.counters["workers recycled"] == 3
     assert summary.counters["workers lost"] == 0 and summary.counters["events lost"] == 0
+
+
+def test_quarantined_events_can_go_to_a_separate_file(tmp_path: FsPath) -> None:
+    out, qfile = tmp_path / "main.evr", tmp_path / "quarantine.evr"
+    path = Path(
+        [
+            ToyGenerator(n_events=300),
+            FaultInjector(mode="raise", uids=[5, 250], poison=True),
+            RecordOutput(file=str(out), fsync=False),
+        ]
+    )
+    summary = evflow.process(path, workers=2, quiet=True, extra={"quarantine_file": str(qfile)})
+    main, quarantine = read_flags(out), read_flags(qfile)
+    assert set(main) == set(range(300)) - {5, 250}
+    assert set(quarantine) == {5, 250} == quarantined(quarantine)
+    assert summary.events_quarantined == 2

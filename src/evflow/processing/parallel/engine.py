@@ -80,6 +80,7 @@ class Parent:
             # reliability: a module exception fails its event ("retry") or the run ("stop")
             "on_event_error": str(extra.get("on_event_error", "retry")),
             "max_quarantined": int(extra.get("max_quarantined", 1000)),
+            "quarantine_file": extra.get("quarantine_file"),
         }
         # reliability: the input checkpoints next to the output; --resume continues there
         self.role_options.update(

@@ -78,6 +78,13 @@ class _Output:
         self.chain = ModuleChain(current_split().output, process="output")
         self.writers = self.chain.writers()
         self.no_modules = not self.chain.modules
+        self.raw_writers = self.writers  # where quarantined events go (raw)
+        if options.get("quarantine_file"):  # reliability: a separate file, if asked for
+            from evflow.io.records import RecordOutput
+
+            quarantine = RecordOutput(name="quarantine", file=str(options["quarantine_file"]))
+            self.raw_writers = [quarantine]
+            self.writers = [*self.writers, quarantine]  # flushed before every confirm
         self.seen = WrittenUids()
         if options.get("resume") or options.get("restart"):
             # reliability: continue the files; drop what they already hold
@@ -203,7 +210,7 @@ class _Output:
         meta = peek_meta(frames)
         meta.flags |= FLAG_QUARANTINED
         frames = with_meta(frames, meta)
-        for w in self.writers:
+        for w in self.raw_writers:
             w.write_raw(meta, frames)
         self.quarantined += 1
 
@@ -271,6 +278,8 @@ class _Output:
         for w in self.writers:
             w.flush()
         self.chain.terminate()
+        for w in self.raw_writers:
+            w.close()  # a separate quarantine file (closing twice is fine)
         self._report(aborted=False, missing=missing)
         self.back.send_multipart(encode_message(MsgType.GOODBYE, {"written": self.written}))
         self.back.linger = 2000

@@ -254,6 +254,18 @@ PAUSE_CHANNELS = (
     "--channel-config",
     "name=out,type=push,method=connect,address=ipc://nobody-there",
 )
+
+
+def start_pause_device(env: dict[str, str]) -> subprocess.Popen[str]:
+    """``_pause_device`` as device 'p' on PAUSE_CHANNELS, paused as ``env`` asks."""
+    return start_device("_pause_device:PauseDevice", "--id", "p", *PAUSE_CHANNELS, env=env)
+
+
+def state_steps(out: str) -> list[str]:
+    """The states a device printed (``STATE <name>`` lines), in order."""
+    return [line.split()[1] for line in out.splitlines() if line.startswith("STATE")]
+
+
 PAUSE_STATES = [
     "IDLE",
     "INITIALIZING_DEVICE",
@@ -273,18 +285,12 @@ PAUSE_STATES = [
 
 @pytest.mark.parametrize("state", PAUSE_STATES)
 def test_sigint_in_each_state_shuts_down_cleanly(state: str, _runtime_dir: Path) -> None:
-    proc = start_device(
-        "_pause_device:PauseDevice",
-        "--id",
-        "p",
-        *PAUSE_CHANNELS,
-        env={"EVFLOW_TEST_PAUSE_STATE": state, "EVFLOW_TEST_PAUSE_S": "0.4"},
-    )
+    proc = start_pause_device({"EVFLOW_TEST_PAUSE_STATE": state, "EVFLOW_TEST_PAUSE_S": "0.4"})
     wait_for_line(proc, f"PAUSED {state}")
     proc.send_signal(signal.SIGINT)
     code, out, err = finish(proc, 30)
     assert code == 0, err
-    steps = [line.split()[1] for line in out.splitlines() if line.startswith("STATE")]
+    steps = state_steps(out)
     assert steps[-1] == "EXITING", out
     if state not in ("IDLE", "RESETTING_DEVICE", "EXITING"):  # those leave by END at once
         assert "RESETTING_DEVICE" in steps[steps.index(state) if state in steps else 0 :]
@@ -293,13 +299,7 @@ def test_sigint_in_each_state_shuts_down_cleanly(state: str, _runtime_dir: Path)
 
 
 def test_sigterm_while_running_shuts_down_cleanly(_runtime_dir: Path) -> None:
-    proc = start_device(
-        "_pause_device:PauseDevice",
-        "--id",
-        "p",
-        *PAUSE_CHANNELS,
-        env={"EVFLOW_TEST_PAUSE_STATE": "RUNNING", "EVFLOW_TEST_PAUSE_S": "0.2"},
-    )
+    proc = start_pause_device({"EVFLOW_TEST_PAUSE_STATE": "RUNNING", "EVFLOW_TEST_PAUSE_S": "0.2"})
     lines = wait_for_line(proc, "PAUSED RUNNING")
     assert lines[:3] == ["STATE INITIALIZING_DEVICE", "STATE INITIALIZED", "STATE BINDING"]
     time.sleep(0.3)  # now inside the RUNNING loop itself
@@ -307,7 +307,7 @@ def test_sigterm_while_running_shuts_down_cleanly(_runtime_dir: Path) -> None:
     code, out, err = finish(proc, 30)
     assert code == 0, err
     assert "SIGTERM received" in err
-    steps = [line.split()[1] for line in out.splitlines() if line.startswith("STATE")]
+    steps = state_steps(out)
     assert steps[-6:] == [
         "READY",
         "RESETTING_TASK",
@@ -322,13 +322,7 @@ def test_sigterm_while_running_shuts_down_cleanly(_runtime_dir: Path) -> None:
 def test_sigint_during_startup_leaves_nothing(_runtime_dir: Path) -> None:
     # the signal arrives while the device class is being imported, before the device
     # and its state machine exist
-    proc = start_device(
-        "_pause_device:PauseDevice",
-        "--id",
-        "p",
-        *PAUSE_CHANNELS,
-        env={"EVFLOW_TEST_PAUSE_IMPORT_S": "0.5"},
-    )
+    proc = start_pause_device({"EVFLOW_TEST_PAUSE_IMPORT_S": "0.5"})
     wait_for_line(proc, "IMPORTING")
     proc.send_signal(signal.SIGINT)
     code, out, err = finish(proc, 30)
@@ -339,13 +333,7 @@ def test_sigint_during_startup_leaves_nothing(_runtime_dir: Path) -> None:
 
 
 def test_second_sigint_leaves_fast_and_still_cleans_up(_runtime_dir: Path) -> None:
-    proc = start_device(
-        "_pause_device:PauseDevice",
-        "--id",
-        "p",
-        *PAUSE_CHANNELS,
-        env={"EVFLOW_TEST_PAUSE_STATE": "BOUND", "EVFLOW_TEST_PAUSE_S": "5"},
-    )
+    proc = start_pause_device({"EVFLOW_TEST_PAUSE_STATE": "BOUND", "EVFLOW_TEST_PAUSE_S": "5"})
     wait_for_line(proc, "PAUSED BOUND")
     proc.send_signal(signal.SIGINT)
     time.sleep(0.1)
@@ -358,13 +346,7 @@ def test_second_sigint_leaves_fast_and_still_cleans_up(_runtime_dir: Path) -> No
 
 
 def test_failing_hook_in_a_process_exits_1_with_the_error(_runtime_dir: Path) -> None:
-    proc = start_device(
-        "_pause_device:PauseDevice",
-        "--id",
-        "p",
-        *PAUSE_CHANNELS,
-        env={"EVFLOW_TEST_FAIL_HOOK": "init_task"},
-    )
+    proc = start_pause_device({"EVFLOW_TEST_FAIL_HOOK": "init_task"})
     code, out, err = finish(proc, 30)
     assert code == 1
     assert "STATE ERROR" in out
@@ -438,7 +420,7 @@ def test_interactive_control_over_stdin_with_fairmq_keys(_runtime_dir: Path) -> 
     proc.stdin.flush()
     code, out, err = finish(proc, 30)
     assert code == 0, err
-    steps = [line.split()[1] for line in out.splitlines() if line.startswith("STATE")]
+    steps = state_steps(out)
     assert steps == FULL_RUN
     assert "unknown transition 'bogus'" in err
     assert not list(_runtime_dir.rglob("*"))

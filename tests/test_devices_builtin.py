@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,28 @@ from evflow.wire.messages import MsgType, decode_message, encode_message
 
 def cc(**keys: Any) -> tuple[str, str]:
     return ("--channel-config", ",".join(f"{k}={v}" for k, v in keys.items()))
+
+
+def start_sink(dev_id: str, *channels: str, stats: Path | None = None) -> subprocess.Popen[str]:
+    extra = ("--stats-file", str(stats)) if stats is not None else ()
+    return start_device("sink", "--id", dev_id, *extra, *channels)
+
+
+def start_sampler(
+    dev_id: str, n: int, msg_size: int, *channels: str, stats: Path | None = None
+) -> subprocess.Popen[str]:
+    """A sampler sending ``n`` messages of ``msg_size`` bytes."""
+    extra = ("--stats-file", str(stats)) if stats is not None else ()
+    return start_device(
+        "sampler", "--id", dev_id, "--max-iterations", str(n), "--msg-size", str(msg_size),
+        *extra, *channels,
+    )  # fmt: skip
+
+
+def finish_all(procs: list[subprocess.Popen[str]]) -> None:
+    """Wait for every process; all must exit 0 (the assertion shows their stderr tails)."""
+    results = [finish(p, 90) for p in procs]
+    assert [r[0] for r in results] == [0] * len(procs), [r[2][-800:] for r in results]
 
 
 def free_port() -> int:
@@ -39,27 +62,19 @@ def test_sampler_to_sink_delivers_exactly_n_messages(
         p1, p2 = free_port(), free_port()
         data_b, data_c = f"tcp://127.0.0.1:{p1}", f"tcp://127.0.0.1:{p1}"
         ack_b, ack_c = f"tcp://127.0.0.1:{p2}", f"tcp://127.0.0.1:{p2}"
-    sink = start_device(
+    sink = start_sink(
         "sink",
-        "--id",
-        "sink",
-        "--stats-file",
-        str(tmp_path / "sink.json"),
         *cc(name="data", type="pull", method="bind", address=data_b),
         *cc(name="data-ack", type="push", method="bind", address=ack_b),
+        stats=tmp_path / "sink.json",
     )
-    sampler = start_device(
+    sampler = start_sampler(
         "sampler",
-        "--id",
-        "sampler",
-        "--max-iterations",
-        str(n),
-        "--msg-size",
-        "64",
-        "--stats-file",
-        str(tmp_path / "sampler.json"),
+        n,
+        64,
         *cc(name="data", type="push", method="connect", address=data_c),
         *cc(name="data-ack", type="pull", method="connect", address=ack_c),
+        stats=tmp_path / "sampler.json",
     )
     code_s, _, err_s = finish(sampler, 90)
     code_k, _, err_k = finish(sink, 90)
@@ -72,9 +87,7 @@ def test_sampler_to_sink_delivers_exactly_n_messages(
 
 
 def test_sink_detects_a_count_mismatch(tmp_path: Path) -> None:
-    sink = start_device(
-        "sink", "--id", "sink", *cc(name="data", type="pull", method="bind", address="ipc://mm")
-    )
+    sink = start_sink("sink", *cc(name="data", type="pull", method="bind", address="ipc://mm"))
     ctx: zmq.Context[Any] = zmq.Context()
     push = ctx.socket(zmq.PUSH)
     push.connect(f"ipc://{os.environ['EVFLOW_RUNTIME_DIR']}/default/mm")
@@ -91,14 +104,10 @@ def test_sink_detects_a_count_mismatch(tmp_path: Path) -> None:
 def test_splitter_round_robins_and_keeps_every_message(tmp_path: Path) -> None:
     n, outs = 30_000, 3
     procs = [
-        start_device(
+        start_sampler(
             "sampler",
-            "--id",
-            "sampler",
-            "--max-iterations",
-            str(n),
-            "--msg-size",
-            "100",
+            n,
+            100,
             *cc(name="data", type="push", method="bind", address="ipc://in"),
             *cc(name="data-ack", type="pull", method="bind", address="ipc://in-ack"),
         )
@@ -111,14 +120,11 @@ def test_splitter_round_robins_and_keeps_every_message(tmp_path: Path) -> None:
     for i in range(outs):
         split_args += cc(name="data-out", type="push", method="bind", address=f"ipc://out{i}")
         procs.append(
-            start_device(
-                "sink",
-                "--id",
+            start_sink(
                 f"sink{i}",
-                "--stats-file",
-                str(tmp_path / f"sink{i}.json"),
                 *cc(name="data", type="pull", method="connect", address=f"ipc://out{i}"),
                 *cc(name="data-ack", type="push", method="connect", address="ipc://out-ack"),
+                stats=tmp_path / f"sink{i}.json",
             )
         )
     procs.append(
@@ -126,8 +132,7 @@ def test_splitter_round_robins_and_keeps_every_message(tmp_path: Path) -> None:
             "splitter", "--id", "split", "--stats-file", str(tmp_path / "split.json"), *split_args
         )
     )
-    results = [finish(p, 90) for p in procs]
-    assert [r[0] for r in results] == [0] * len(procs), [r[2][-800:] for r in results]
+    finish_all(procs)
     counts = [read_stats(tmp_path / f"sink{i}.json")["sink"]["received"] for i in range(outs)]
     assert sum(counts) == n
     assert counts == [n // outs] * outs  # round robin: equal shares
@@ -137,14 +142,10 @@ def test_splitter_round_robins_and_keeps_every_message(tmp_path: Path) -> None:
 def test_merger_keeps_every_message_from_every_input(tmp_path: Path) -> None:
     n, ins = 20_000, 3
     procs = [
-        start_device(
-            "sampler",
-            "--id",
+        start_sampler(
             f"s{i}",
-            "--max-iterations",
-            str(n),
-            "--msg-size",
-            "10",
+            n,
+            10,
             *cc(name="data", type="dealer", method="connect", address="ipc://merge-in"),
         )
         for i in range(ins)
@@ -161,17 +162,13 @@ def test_merger_keeps_every_message_from_every_input(tmp_path: Path) -> None:
         )
     )
     procs.append(
-        start_device(
+        start_sink(
             "sink",
-            "--id",
-            "sink",
-            "--stats-file",
-            str(tmp_path / "sink.json"),
             *cc(name="data", type="pair", method="bind", address="ipc://merge-out"),
+            stats=tmp_path / "sink.json",
         )
     )
-    results = [finish(p, 90) for p in procs]
-    assert [r[0] for r in results] == [0] * len(procs), [r[2][-800:] for r in results]
+    finish_all(procs)
     got = read_stats(tmp_path / "sink.json")["sink"]
     assert got["received"] == got["announced"] == n * ins
 
@@ -207,7 +204,7 @@ def test_random_bytes_on_every_socket_type_are_counted_not_fatal(
     for kind in PEERS:
         args += cc(name="data", type=kind, method="bind", address=f"ipc://g-{kind}")
     stats = tmp_path / "sink.json"
-    sink = start_device("sink", "--id", "sink", "--stats-file", str(stats), *args)
+    sink = start_sink("sink", *args, stats=stats)
     base = _runtime_dir / "default"
     deadline = time.monotonic() + 20
     while not all((base / f"g-{k}").exists() for k in PEERS):
@@ -255,8 +252,8 @@ def test_random_bytes_on_every_socket_type_are_counted_not_fatal(
 def test_proxy_chain_keeps_every_message(tmp_path: Path) -> None:
     n = 20_000
     procs = [
-        start_device(
-            "sampler", "--id", "src", "--max-iterations", str(n), "--msg-size", "200",
+        start_sampler(
+            "src", n, 200,
             *cc(name="data", type="push", method="connect", address="ipc://p-in"),
             *cc(name="data-ack", type="pull", method="bind", address="ipc://p-in-ack"),
         ),
@@ -266,23 +263,24 @@ def test_proxy_chain_keeps_every_message(tmp_path: Path) -> None:
             *cc(name="data-in-ack", type="push", method="connect", address="ipc://p-in-ack"),
             *cc(name="data-out", type="dealer", method="bind", address="ipc://p-out"),
         ),
-        start_device(
-            "sink", "--id", "dst", "--stats-file", str(tmp_path / "sink.json"),
+        start_sink(
+            "dst",
             *cc(name="data", type="dealer", method="connect", address="ipc://p-out"),
+            stats=tmp_path / "sink.json",
         ),
     ]  # fmt: skip
-    results = [finish(p, 90) for p in procs]
-    assert [r[0] for r in results] == [0, 0, 0], [r[2][-800:] for r in results]
+    finish_all(procs)
     got = read_stats(tmp_path / "sink.json")["sink"]
     assert got["received"] == got["announced"] == n
 
 
 def test_sigint_to_a_running_sampler_still_ends_the_stream_exactly(tmp_path: Path) -> None:
-    sink = start_device(
-        "sink", "--id", "sink", "--stats-file", str(tmp_path / "sink.json"),
+    sink = start_sink(
+        "sink",
         *cc(name="data", type="pull", method="bind", address="ipc://i-data"),
         *cc(name="data-ack", type="push", method="bind", address="ipc://i-ack"),
-    )  # fmt: skip
+        stats=tmp_path / "sink.json",
+    )
     sampler = start_device(
         "sampler", "--id", "sampler", "--rate", "2000", "--msg-size", "100",
         "--stats-file", str(tmp_path / "sampler.json"),

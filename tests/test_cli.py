@@ -57,6 +57,14 @@ def run_cli(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[st
     )
 
 
+def one_error_line(result: subprocess.CompletedProcess[str]) -> str:
+    """The run failed (exit 1) with exactly one line on stderr; that line."""
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
 def test_run_writes_output_and_honours_max_events(tmp_path: Path, capsys) -> None:
     out = tmp_path / "sel.evf"
     code = main(["run", steering(tmp_path, GOOD), "-n", "10", "-o", str(out)])
@@ -76,10 +84,8 @@ def test_quiet_prints_nothing(tmp_path: Path, capsys) -> None:
 def test_syntax_error_is_one_line_without_traceback(tmp_path: Path) -> None:
     file = steering(tmp_path, "import evflow\n\nx = (1,\n")
     result = run_cli("run", file)
-    assert result.returncode == 1
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith(f"evflow: error: {file}:3: syntax error")
+    line = one_error_line(result)
+    assert line.startswith(f"evflow: error: {file}:3: syntax error")
     assert "Traceback" not in result.stderr
 
 
@@ -257,8 +263,6 @@ def test_bad_root_input_is_one_line(tmp_path: Path, content: bytes | None, expec
         f"evflow.process(evflow.Path([RootInput(file={str(data)!r})]))\n",
     )
     result = run_cli("run", file)
-    assert result.returncode == 1
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith(f"evflow: error: {file}:3: ")
-    assert expect.format(file=data) in lines[0]
+    line = one_error_line(result)
+    assert line.startswith(f"evflow: error: {file}:3: ")
+    assert expect.format(file=data) in line

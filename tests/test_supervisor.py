@@ -198,6 +198,14 @@ def _start_supervisor_script(path: Path, grace_s: float, linger_s: float) -> tup
     return proc, pids
 
 
+def _reap(proc: subprocess.Popen[str]) -> None:
+    """Kill the supervisor script if a check failed before it exited; close its pipe."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    proc.stdout.close()  # type: ignore[union-attr]
+
+
 def test_terminal_sigint_is_relayed_in_order_and_children_ignore_it(tmp_path: Path) -> None:
     record = tmp_path / "order.txt"
     proc, pids = _start_supervisor_script(record, grace_s=5.0, linger_s=0.2)
@@ -205,10 +213,7 @@ def test_terminal_sigint_is_relayed_in_order_and_children_ignore_it(tmp_path: Pa
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group
         assert proc.wait(timeout=20) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()  # type: ignore[union-attr]
+        _reap(proc)
     lines = record.read_text().split()
     names, stamps = lines[0::2], [float(t) for t in lines[1::2]]
     assert names == ["source", "worker", "sink"]
@@ -230,10 +235,7 @@ def test_second_sigint_ends_fast(tmp_path: Path) -> None:
         proc.wait(timeout=15)
         assert time.monotonic() - start < 5.0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()  # type: ignore[union-attr]
+        _reap(proc)
     deadline = time.monotonic() + 3
     while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.02)

@@ -62,6 +62,25 @@ __all__ = [
 POLL_MS = 100
 
 
+def _open_bound(
+    context: zmq.Context[Any], session: str, name: str, type: str, address: str
+) -> Channel:
+    """One side of the proxy: bound, linger 0, high-water marks of 10000 messages."""
+    return open_channel(
+        context,
+        ChannelConfig(
+            name=name,
+            type=type,
+            method="bind",
+            address=address,
+            linger=0,
+            rcvBufSize=10000,
+            sndBufSize=10000,
+        ),
+        session,
+    )
+
+
 class BusProxy:
     """Forward bus traffic between XSUB (publishers) and XPUB (subscribers).
 
@@ -79,32 +98,10 @@ class BusProxy:
         subscribe_address: str = f"ipc://{BUS_OUT}",
     ) -> None:
         self.session = session
-        self._xsub: Channel = open_channel(
-            context,
-            ChannelConfig(
-                name="bus-in",
-                type="xsub",
-                method="bind",
-                address=publish_address,
-                linger=0,
-                rcvBufSize=10000,
-                sndBufSize=10000,
-            ),
-            session,
-        )
+        self._xsub: Channel = _open_bound(context, session, "bus-in", "xsub", publish_address)
         try:
-            self._xpub: Channel = open_channel(
-                context,
-                ChannelConfig(
-                    name="bus-out",
-                    type="xpub",
-                    method="bind",
-                    address=subscribe_address,
-                    linger=0,
-                    rcvBufSize=10000,
-                    sndBufSize=10000,
-                ),
-                session,
+            self._xpub: Channel = _open_bound(
+                context, session, "bus-out", "xpub", subscribe_address
             )
         except BaseException:
             self._xsub.close(0)

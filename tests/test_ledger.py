@@ -310,3 +310,17 @@ class LedgerMachine(RuleBasedStateMachine):
 
 LedgerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 test_ledger_matches_model = LedgerMachine.TestCase
+
+
+def test_with_progress_a_worker_hung_on_an_already_confirmed_retry_still_times_out() -> None:
+    ledger, clock = make(event_timeout_s=5.0)
+    ledger.add_batch([(1, 0, ())], "w")
+    ledger.progress("w", n_events=0)  # progress reports are on
+    clock.now_s += 1.0
+    ledger.confirm([1])  # another copy of uid 1 was written: the ledger holds nothing
+    assert len(ledger) == 0 and ledger.expired() == []
+    clock.now_s += 6.0  # ... but w never finished the message: it hangs
+    (late,) = ledger.expired()
+    assert late.worker == "w" and late.uid == -1
+    assert ledger.requeue_worker("w", Failure.timeout(5.0)) == []
+    assert ledger.expired() == []

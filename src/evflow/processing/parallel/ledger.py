@@ -334,6 +334,8 @@ class Ledger:
         if self.event_timeout_s is None:
             return []
         now = self._clock() if now is None else now
+        if self._tracking:
+            return self._expired_by_progress(now)
         found = []
         for worker in {*self._by_worker, *self._wbatches}:
             wdict = self._by_worker.get(worker)
@@ -349,6 +351,32 @@ class Ledger:
                 if type(oldest) is _Batch:
                     oldest = self._materialize(oldest)[0]
                 found.append(oldest)
+        return found
+
+    def _expired_by_progress(self, now: float) -> list[LedgerEntry]:
+        """With READY reports: a worker is late when the message it works on (its first
+        unfinished one) started more than ``event_timeout_s`` ago, whether or not its
+        events are still unconfirmed (a retry may have been confirmed meanwhile, and the
+        worker would otherwise hang unnoticed). Returns one entry per late worker: its
+        oldest unconfirmed event, or a placeholder with ``uid = -1``."""
+        timeout_s = self.event_timeout_s
+        assert timeout_s is not None
+        found = []
+        for worker, q in self._unfinished.items():
+            if not q:
+                continue
+            _, _, sent_at_s = q[0]
+            start = max(sent_at_s, self._progress_s.get(worker, sent_at_s))
+            if now - start <= timeout_s:
+                continue
+            wb = self._wbatches.get(worker)
+            if wb:
+                self._materialize_worker(worker)
+            wdict = self._by_worker.get(worker)
+            if wdict:
+                found.append(next(iter(wdict.values())))
+            else:
+                found.append(LedgerEntry(-1, -1, worker, sent_at_s, 0, ()))
         return found
 
     def requeue_worker(
@@ -512,7 +540,7 @@ class Ledger:
         q = self._unfinished.get(worker)
         if q is None:
             q = self._unfinished[worker] = deque()
-        q.append([send, n_events])
+        q.append([send, n_events, self._clock()])
         if not self._tracking and len(q) > 4096:
             q.popleft()  # nobody reports progress: keep this bounded
         return send

@@ -146,7 +146,7 @@ class RecordWriter:
         lens = [len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames]
         head = _U32.pack(len(lens)) + struct.pack(f"<{len(lens)}Q", *lens)
         if sum(lens) < _SMALL and all(type(f) is bytes for f in frames):
-            self.write_record(uid, flags, b"".join((head, *frames)))  # type: ignore[arg-type]
+            self.write_record(uid, flags, b"".join((head, *frames)))
         else:
             self.write_parts(uid, flags, (head, *frames))
 

@@ -40,7 +40,7 @@ META_BRANCHES: dict[str, np.dtype[Any]] = {
 
 def _open_tree(file: str, tree: str) -> tuple[Any, Any]:
     """``(file, tree)`` opened with uproot, or an ``InputError`` naming what is wrong."""
-    import uproot  # type: ignore[import-untyped]
+    import uproot
 
     if not os.path.exists(file):
         raise InputError(f"ROOT input file {file!r} does not exist")
@@ -66,7 +66,7 @@ def _open_tree(file: str, tree: str) -> tuple[Any, Any]:
 
 
 def _readable_leaves(tree: Any) -> list[str]:
-    import uproot  # type: ignore[import-untyped]
+    import uproot
 
     unknown = uproot.interpretation.identify.UnknownInterpretation
     return [
@@ -81,7 +81,7 @@ def _split_column(a: Any) -> Sequence[Any]:
 
     Numpy scalars or views into the chunk when possible, Python objects otherwise.
     """
-    import awkward as ak  # type: ignore[import-untyped]
+    import awkward as ak
 
     try:
         return list(ak.to_numpy(a))  # flat -> numpy scalars; regular -> sub-arrays
@@ -96,7 +96,8 @@ def _split_column(a: Any) -> Sequence[Any]:
             ends = np.cumsum(ak.to_numpy(ak.num(a, axis=1))).tolist()
             starts = [0, *ends[:-1]]
             return [flat[i:j] for i, j in zip(starts, ends, strict=True)]
-    return a.to_list()
+    values: list[Any] = a.to_list()
+    return values
 
 
 class RootInput(Source):
@@ -180,7 +181,7 @@ class _Column:
         return f"var * {self.dtype.name}" if self.jagged else self.dtype
 
     def chunk(self) -> Any:
-        import awkward as ak  # type: ignore[import-untyped]
+        import awkward as ak
 
         if not self.jagged:
             return np.asarray(self.values, dtype=self.dtype)
@@ -199,7 +200,7 @@ def _classify(value: Any) -> _Column | None:
         dt = np.asarray(value).dtype
         return _Column(dt, False) if dt.kind in "biuf" else None
     if type(value).__module__.startswith("awkward"):
-        import awkward as ak  # type: ignore[import-untyped]
+        import awkward as ak
 
         try:
             value = ak.to_numpy(value)

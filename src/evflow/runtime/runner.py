@@ -219,7 +219,7 @@ def _run(class_spec: str, argv: Sequence[str], state: dict[str, Any]) -> int:
     context = zmq.Context()
     device = None
     bus = None
-    code = 1
+    code: int = 1
     try:
         device = cls(
             args.id,

@@ -278,7 +278,7 @@ def _bind(sock: zmq.Socket[Any], url: str, ep: Endpoint, config: ChannelConfig) 
     for attempt in range(3):
         try:
             sock.bind(url)
-            return str(sock.getsockopt(zmq.LAST_ENDPOINT).decode())
+            return sock.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as exc:
             if exc.errno == errno.EADDRINUSE and config.autoBind and ep.scheme == "tcp":
                 url = f"tcp://{ep.host}:0"

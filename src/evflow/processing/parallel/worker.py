@@ -30,8 +30,9 @@ from evflow.processing.parallel.batching import (
     unpack_batch,
 )
 from evflow.processing.parallel.common import channel, current_split, error_message, run_of
+from evflow.processing.parallel.lazystore import LazyEvent, untouched
 from evflow.processing.parallel.persist import encode_persistent
-from evflow.wire.codec import decode_event, encode_event
+from evflow.wire.codec import encode_event
 from evflow.wire.messages import BadMessageCounter, MsgType, encode_message, hello_header
 
 #: exit code of a worker whose path failed (the parent shows the error it sent)
@@ -122,12 +123,11 @@ class _Worker:
         current = chain.run
         t0 = time.perf_counter()
         for i, frames in enumerate(events):
-            store = decode_event(frames)
+            store = LazyEvent(frames)  # objects are decoded when a module asks
             meta = store.meta
             fresh = meta.attempt == attempt  # the frames' meta is still right
             meta.attempt = attempt
             flags = meta.flags
-            before = list(store.objects.items())
             if current is None or current.run != meta.run or current.experiment != meta.experiment:
                 chain.switch_run(meta.experiment, meta.run)
                 current = chain.run
@@ -138,7 +138,7 @@ class _Worker:
                 continue
             if keep:
                 kept_mask[i] = 1
-                if fresh and meta.flags == flags and _unchanged(store.objects, before):
+                if fresh and meta.flags == flags and untouched(store):
                     kept.append(frames)  # nothing changed: forward the received frames
                 else:
                     kept.append(encode_event(store))
@@ -204,21 +204,6 @@ class _Worker:
         # RESULT and GOODBYE must leave before the sockets close
         for sock in (self.push, self.dealer, self.ctl):
             sock.linger = 5000
-
-
-def _unchanged(objects: dict[str, Any], before: list[tuple[str, Any]]) -> bool:
-    """True when the modules left the store as decoded (same objects, none mutable).
-
-    Decoded arrays are read-only views, so identity is enough for them; dicts and
-    lists could have been changed in place, so a store holding one is re-encoded.
-    """
-    if len(objects) != len(before):
-        return False
-    get = objects.get
-    for key, value in before:
-        if get(key) is not value or isinstance(value, dict | list):
-            return False
-    return True
 
 
 def _failure(index: int, exc: ModuleError) -> dict[str, Any]:

@@ -56,6 +56,7 @@ class ToyEncoder:
         self.pack_int = msgpack.Packer().pack
         self.window = window
         self.nbytes = int(gen.payload_bytes)
+        self.block_np = gen._block
         self.block = memoryview(gen._block).cast("B")
         self.salt = gen._salt
         self.inline = self.nbytes <= INLINE_MAX_BYTES
@@ -97,6 +98,98 @@ class ToyEncoder:
         del parts[4]
         return [b"".join(parts), payload]
 
+    def chunk(self, start: int, stop: int) -> list[list[Any]]:
+        """The frames of the events ``start .. stop - 1``, built with numpy in one go.
+
+        All positions must have the same msgpack int width (see :func:`_width_stop`).
+        The header frames are memoryviews into one array per chunk (~0.5 µs per 1 kB
+        event instead of ~2 µs for :meth:`frames`).
+        """
+        k = stop - start
+        pos = np.arange(start, stop, dtype=np.uint64)
+        with np.errstate(over="ignore"):  # the hash wraps modulo 2**64, as intended
+            h = ((pos + np.uint64(1)) * np.uint64(_GOLDEN)) ^ np.uint64(self.salt)
+        offsets = h % np.uint64(self.window)
+        meta = np.zeros(k, dtype=_META_DTYPE)
+        meta["uid"] = pos
+        meta["experiment"] = self.experiment
+        meta["run"] = self.run
+        meta["event"] = pos
+        meta["attempt"] = 1
+        inline_n = self.nbytes if self.inline else 0
+        pieces: list[Any] = [
+            self.head,
+            meta.view(np.uint8).reshape(k, _META.size),
+            self.entries + self.data,
+            inline_n,  # placeholder for the payload columns
+            self.position,
+            _int_columns(pos, start),
+            self.value,
+            ((h >> np.uint64(11)).astype(np.float64) / 9007199254740992.0)
+            .astype(">f8")
+            .view(np.uint8)
+            .reshape(k, 8),
+            self.tag,
+            (h & np.uint64(15)).astype(np.uint8).reshape(k, 1),
+        ]
+        width = sum(p if type(p) is int else len(p) if type(p) is bytes else p.shape[1]
+                    for p in pieces)  # fmt: skip
+        rows = np.empty((k, width), dtype=np.uint8)
+        col = 0
+        for p in pieces:
+            if type(p) is int:  # the payload bytes, each event at its own offset
+                if p:
+                    windows = np.lib.stride_tricks.sliding_window_view(self.block_np, p)
+                    rows[:, col : col + p] = windows[offsets.astype(np.intp)]
+                col += p
+                continue
+            if type(p) is bytes:
+                p = np.frombuffer(p, dtype=np.uint8)
+            n = p.shape[-1]
+            rows[:, col : col + n] = p
+            col += n
+        flat = memoryview(rows.reshape(-1))
+        heads = [flat[a : a + width] for a in range(0, k * width, width)]
+        if self.inline:
+            return [[head] for head in heads]
+        block, size = self.block, self.nbytes
+        return [
+            [head, block[o : o + size]] for head, o in zip(heads, offsets.tolist(), strict=True)
+        ]
+
+
+_META_DTYPE = np.dtype(
+    [("uid", "<u8"), ("experiment", "<i8"), ("run", "<i8"), ("event", "<i8"),
+     ("flags", "<u8"), ("attempt", "<i8")]
+)  # fmt: skip
+#: msgpack encodes a non-negative int in 1 byte below 128, then 0xcc/0xcd/0xce/0xcf + 1/2/4/8
+_WIDTHS = ((128, None, ""), (256, 0xCC, ">u1"), (1 << 16, 0xCD, ">u2"),
+           (1 << 32, 0xCE, ">u4"), (1 << 64, 0xCF, ">u8"))  # fmt: skip
+
+
+def _width_stop(position: int) -> int:
+    """The first position above ``position`` whose msgpack int has another width."""
+    for bound, _, _ in _WIDTHS:
+        if position < bound:
+            return bound
+    raise ValueError(f"position {position} does not fit in 64 bits")
+
+
+def _int_columns(pos: np.ndarray, first: int) -> np.ndarray:
+    """The msgpack encodings of ``pos`` (all of the width of ``first``) as byte rows."""
+    k = len(pos)
+    for bound, marker, dtype in _WIDTHS:
+        if first < bound:
+            if marker is None:
+                return pos.astype(np.uint8).reshape(k, 1)
+            body = pos.astype(dtype).view(np.uint8).reshape(k, -1)
+            return np.concatenate([np.full((k, 1), marker, dtype=np.uint8), body], axis=1)
+    raise ValueError(f"position {first} does not fit in 64 bits")
+
+
+#: events built per numpy chunk
+CHUNK_EVENTS = 256
+
 
 def _same(a: list[Any], b: list[Any]) -> bool:
     return len(a) == len(b) and all(bytes(x) == bytes(y) for x, y in zip(a, b, strict=True))
@@ -107,14 +200,28 @@ def encoded_toy_events(gen: ToyGenerator, start: int, window: int) -> Iterator[E
     from evflow.io.generators import burn_cpu
 
     enc = ToyEncoder(gen, window)
-    experiment, run, work_ms = gen.experiment, gen.run, gen.work_ms
-    frames = enc.frames
-    if start < gen.n_events and not _same(frames(start), encode_event(gen.make_event(start))):
-        frames = _slow_frames(gen)  # the codec changed: stay correct, only slower
-    for position in range(start, gen.n_events):
-        if work_ms > 0:
-            burn_cpu(work_ms)
-        yield (position, experiment, run, frames(position))
+    experiment, run, work_ms, n_events = gen.experiment, gen.run, gen.work_ms, gen.n_events
+    if start >= n_events:
+        return
+    reference = encode_event(gen.make_event(start))
+    if not _same(enc.chunk(start, start + 1)[0], reference) or not _same(
+        enc.frames(start), reference
+    ):
+        # the codec changed: stay correct, only slower
+        slow = _slow_frames(gen)
+        for position in range(start, n_events):
+            if work_ms > 0:
+                burn_cpu(work_ms)
+            yield (position, experiment, run, slow(position))
+        return
+    position = start
+    while position < n_events:
+        stop = min(n_events, position + CHUNK_EVENTS, _width_stop(position))
+        for frames in enc.chunk(position, stop):
+            if work_ms > 0:
+                burn_cpu(work_ms)
+            yield (position, experiment, run, frames)
+            position += 1
 
 
 def _slow_frames(gen: ToyGenerator) -> Any:

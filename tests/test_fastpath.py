@@ -1,0 +1,255 @@
+"""The encoded-event fast path: the codec's bytes, the same events written, used when allowed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path as FsPath
+from typing import Any
+
+import numpy as np
+import pytest
+
+import evflow
+from evflow import DataStore, Module, Path
+from evflow.errors import CodecError, ParameterError
+from evflow.io import BusyWork, RecordOutput, RecordReader, ToyGenerator, _encoded_toy
+from evflow.io.records import decode_record
+from evflow.processing.chain import ModuleChain
+from evflow.processing.datastore import EventMeta, RunMeta
+from evflow.processing.module import Param, Source
+from evflow.processing.parallel.batching import BatchSizer
+from evflow.processing.parallel.fastpath import ENV_DISABLE, fastpath_allowed, read_encoded
+from evflow.processing.parallel.lazystore import LazyEvent, untouched
+from evflow.wire.codec import encode_event
+
+
+def as_bytes(frames: list[Any]) -> list[bytes]:
+    return [bytes(f) for f in frames]
+
+
+# --- ToyGenerator.encoded_events -------------------------------------------------------
+@pytest.mark.parametrize("payload", [0, 1, 1024, 16 * 1024, 16 * 1024 + 1, 100_000])
+def test_toy_encoded_events_are_the_encoded_events_byte_for_byte(payload: int) -> None:
+    gen = ToyGenerator(n_events=600, payload_bytes=payload, seed=7, experiment=-3, run=12)
+    encoded = list(gen.encoded_events(0))
+    stores = list(gen.events(0))
+    assert len(encoded) == len(stores) == 600
+    for (uid, experiment, run, frames), store in zip(encoded, stores, strict=True):
+        assert (uid, experiment, run) == (store.meta.uid, -3, 12)
+        assert as_bytes(frames) == as_bytes(encode_event(store)), f"uid {uid}"
+
+
+@pytest.mark.parametrize("start", [120, 127, 250, 65_530, 2**32 - 3])
+def test_toy_encoded_events_match_across_msgpack_int_widths(start: int) -> None:
+    gen = ToyGenerator(n_events=start + 300, payload_bytes=64, seed=1)
+    encoded = gen.encoded_events(start)
+    for k, (uid, _, _, frames) in zip(range(300), encoded, strict=False):
+        assert uid == start + k
+        assert as_bytes(frames) == as_bytes(encode_event(gen.make_event(start + k)))
+
+
+def test_toy_encoded_events_start_and_end_like_events() -> None:
+    gen = ToyGenerator(n_events=10)
+    assert [e[0] for e in gen.encoded_events(7)] == [7, 8, 9]
+    assert list(gen.encoded_events(10)) == list(gen.encoded_events(99)) == []
+    with pytest.raises(ParameterError, match="start must be >= 0"):
+        gen.encoded_events(-1)
+
+
+def test_toy_encoder_falls_back_to_the_codec_when_its_bytes_differ(monkeypatch) -> None:
+    # a codec change the pre-packed pieces do not know of must cost speed, not events
+    def wrong_chunk(self: Any, start: int, stop: int) -> list[list[Any]]:
+        return [[b"\x00" * 10] for _ in range(start, stop)]
+
+    monkeypatch.setattr(_encoded_toy.ToyEncoder, "chunk", wrong_chunk)
+    gen = ToyGenerator(n_events=50, payload_bytes=100)
+    for uid, _, _, frames in gen.encoded_events(3):
+        assert as_bytes(frames) == as_bytes(encode_event(gen.make_event(uid)))
+
+
+# --- when the input may use it ------------------------------------------------------------
+class Tagger(Module):
+    """A serial module: it needs a DataStore in the input process."""
+
+    def event(self, store: DataStore) -> bool | None:
+        store["tagged"] = 1
+        return None
+
+
+class PlainSource(Source):
+    n_events = Param(int, 5, "events")
+
+    def events(self, start: int = 0) -> Iterator[DataStore]:
+        for k in range(start, self.n_events):
+            yield DataStore(EventMeta(k), {"k": k})
+
+
+def test_fastpath_allowed_only_for_a_source_alone_with_encoded_events(monkeypatch) -> None:
+    monkeypatch.delenv(ENV_DISABLE, raising=False)
+    assert fastpath_allowed(ModuleChain([ToyGenerator()]))
+    assert not fastpath_allowed(ModuleChain([ToyGenerator(), Tagger()]))
+    assert not fastpath_allowed(ModuleChain([PlainSource()]))
+    monkeypatch.setenv(ENV_DISABLE, "1")
+    assert not fastpath_allowed(ModuleChain([ToyGenerator()]))
+
+
+class MarkedToy(ToyGenerator):
+    """A ToyGenerator that leaves a file behind when the fast path reads it."""
+
+    marker = Param(str, "", "file created when encoded_events() is called")
+
+    def encoded_events(self, start: int = 0) -> Any:
+        FsPath(self.marker).touch()
+        return super().encoded_events(start)
+
+
+def read_events(file: FsPath) -> dict[int, tuple[Any, ...]]:
+    out = {}
+    with RecordReader(str(file)) as reader:
+        for record in reader:
+            s = decode_record(str(file), record)
+            out[s.meta.uid] = (
+                s.meta.event,
+                s.meta.flags,
+                bytes(s["payload"]),
+                s["position"],
+                s["value"],
+                s["tag"],
+                s.get("tagged"),
+            )
+    return out
+
+
+def toy_path(out: FsPath, marker: FsPath, serial: bool = False, n: int = 700) -> Path:
+    modules: list[Module] = [MarkedToy(n_events=n, payload_bytes=300, seed=4, marker=str(marker))]
+    if serial:
+        modules.append(Tagger())
+    modules += [BusyWork(work_ms=0.0), RecordOutput(file=str(out), fsync=False)]
+    return Path(modules)
+
+
+def test_parallel_run_through_the_fast_path_writes_what_sequential_writes(
+    tmp_path: FsPath, monkeypatch
+) -> None:
+    monkeypatch.delenv(ENV_DISABLE, raising=False)
+    seq_marker, par_marker = tmp_path / "seq.used", tmp_path / "par.used"
+    evflow.process(toy_path(tmp_path / "seq.evr", seq_marker), quiet=True)
+    summary = evflow.process(toy_path(tmp_path / "par.evr", par_marker), workers=2, quiet=True)
+    assert not seq_marker.exists()  # sequential runs build stores
+    assert par_marker.exists()  # the parallel input took the fast path
+    expected = read_events(tmp_path / "seq.evr")
+    assert len(expected) == 700
+    assert read_events(tmp_path / "par.evr") == expected
+    assert summary.events_read == summary.events_written == 700
+    source_stats = [m for m in summary.modules if m.module == "MarkedToy" and m.process == "input"]
+    assert sum(m.calls for m in source_stats) == 700
+
+
+def test_serial_module_or_env_var_keeps_the_input_on_the_store_path(
+    tmp_path: FsPath, monkeypatch
+) -> None:
+    marker = tmp_path / "used"
+    monkeypatch.delenv(ENV_DISABLE, raising=False)
+    evflow.process(toy_path(tmp_path / "a.evr", marker, serial=True), workers=2, quiet=True)
+    assert not marker.exists()
+    tagged = read_events(tmp_path / "a.evr")
+    assert len(tagged) == 700 and {v[-1] for v in tagged.values()} == {1}
+    monkeypatch.setenv(ENV_DISABLE, "1")
+    evflow.process(toy_path(tmp_path / "b.evr", marker), workers=2, quiet=True)
+    assert not marker.exists()
+    assert len(read_events(tmp_path / "b.evr")) == 700
+
+
+def test_fast_path_respects_max_events(tmp_path: FsPath, monkeypatch) -> None:
+    monkeypatch.delenv(ENV_DISABLE, raising=False)
+    marker = tmp_path / "used"
+    path = toy_path(tmp_path / "m.evr", marker, n=500)
+    summary = evflow.process(path, workers=2, quiet=True, max_events=123)
+    assert marker.exists()
+    assert summary.events_read == summary.events_written == 123
+    assert sorted(read_events(tmp_path / "m.evr")) == list(range(123))
+
+
+# --- read_encoded: counters and run boundaries -----------------------------------------------
+class RunSource(Source):
+    """Encoded events in two runs; records the run hooks it sees."""
+
+    def __init__(self, name: str | None = None, **params: Any) -> None:
+        super().__init__(name, **params)
+        self.runs: list[tuple[str, int]] = []
+
+    def begin_run(self, run: RunMeta) -> None:
+        self.runs.append(("begin", run.run))
+
+    def end_run(self, run: RunMeta) -> None:
+        self.runs.append(("end", run.run))
+
+    def encoded_events(self, start: int = 0) -> Iterator[tuple[int, int, int, list[Any]]]:
+        for k in range(start, 10):
+            store = DataStore(EventMeta(k, 0, 1 if k < 6 else 2, k), {"k": k})
+            yield (k, 0, store.meta.run, encode_event(store))
+
+
+class Role:
+    def __init__(self, source: Source, max_events: int = 0) -> None:
+        self.chain = ModuleChain([source])
+        self.source = source
+        self.sizer = BatchSizer()
+        self.read = 0
+        self.max_events = max_events
+        self.start_position = 0
+        self.exhausted = False
+
+
+def test_read_encoded_counts_switches_runs_and_ends() -> None:
+    source = RunSource()
+    role = Role(source)
+    it = source.encoded_events(0)
+    enc, uids, positions = read_encoded(role, it, 4)
+    assert uids == positions == [0, 1, 2, 3] and len(enc) == 4 and not role.exhausted
+    assert source.runs == [("begin", 1)]
+    uids, positions = [], []
+    while not role.exhausted:  # batches of at most sizer.size() events, as for stores
+        _, more_uids, more_positions = read_encoded(role, it, 100)
+        uids += more_uids
+        positions += more_positions
+    assert uids == positions == list(range(4, 10))
+    assert source.runs == [("begin", 1), ("end", 1), ("begin", 2)]
+    assert role.exhausted and role.read == 10
+    assert role.chain.stats.calls[0] == 10
+
+
+def test_read_encoded_stops_at_max_events() -> None:
+    role = Role(RunSource(), max_events=3)
+    uids: list[int] = []
+    while not role.exhausted:
+        uids += read_encoded(role, role.source.encoded_events(0), 100)[1]
+    assert uids == [0, 1, 2]
+
+
+# --- LazyEvent (workers) ---------------------------------------------------------------
+def test_lazy_event_reads_meta_without_decoding_and_decodes_on_first_use() -> None:
+    frames = encode_event(
+        DataStore(EventMeta(42, 1, 2, 3, 0, 1), {"a": np.arange(4), "d": {"x": 1}})
+    )
+    store = LazyEvent(frames)
+    assert store.meta == EventMeta(42, 1, 2, 3, 0, 1)
+    assert not store.loaded and untouched(store)
+    assert list(store["a"]) == [0, 1, 2, 3] and store.loaded
+    assert not untouched(store)  # it holds a dict, which a module may have changed
+    plain = LazyEvent(encode_event(DataStore(EventMeta(1), {"a": np.arange(3)})))
+    assert "a" in plain and untouched(plain)
+    plain["b"] = 5
+    assert not untouched(plain)
+    assert as_bytes(encode_event(plain)) == as_bytes(
+        encode_event(DataStore(EventMeta(1), {"a": np.arange(3), "b": 5}))
+    )
+
+
+def test_lazy_event_rejects_bad_frames_with_codec_error() -> None:
+    with pytest.raises(CodecError):
+        LazyEvent([b"not an event"])
+    good = encode_event(DataStore(EventMeta(1), {"a": 1}))
+    broken = LazyEvent([bytes(good[0])[:-2]])  # the meta is intact, the entries are not
+    with pytest.raises(CodecError):
+        broken["a"]

@@ -7,7 +7,8 @@ the input never builds a ``DataStore``: it takes the frames as they come, in bat
 built with list operations. Everything else (ledger, credits, confirms, resends) is
 the same as on the normal path.
 
-Set ``EVFLOW_NO_FASTPATH=1`` to turn it off (benchmarks compare both in one run).
+Set ``EVFLOW_NO_FASTPATH=1`` to turn it off, together with the workers' lazy decoding
+(``lazystore.py``): benchmarks compare both in one run.
 """
 
 from __future__ import annotations
@@ -26,9 +27,14 @@ from evflow.processing.parallel.batching import frames_nbytes
 ENV_DISABLE = "EVFLOW_NO_FASTPATH"
 
 
+def fastpath_enabled() -> bool:
+    """False when ``EVFLOW_NO_FASTPATH`` is set: the input reads stores, workers decode all."""
+    return not os.environ.get(ENV_DISABLE)
+
+
 def fastpath_allowed(chain: ModuleChain) -> bool:
     """Whether the input may read encoded events from its source."""
-    if os.environ.get(ENV_DISABLE):
+    if not fastpath_enabled():
         return False
     if len(chain.modules) != 1:
         return False  # serial modules run on a DataStore: they need the slow path

@@ -32,6 +32,10 @@ class LazyEvent(DataStore):
         self._objects = None  # type: ignore[assignment]
         self._before: list[tuple[str, Any]] = []
 
+    def load(self) -> None:
+        """Decode the objects now (``EVFLOW_NO_FASTPATH``: workers decode every event)."""
+        self._load()
+
     def _load(self) -> dict[str, Any]:
         objects = self._objects
         if objects is None:

@@ -30,6 +30,7 @@ from evflow.processing.parallel.batching import (
     unpack_batch,
 )
 from evflow.processing.parallel.common import channel, current_split, error_message, run_of
+from evflow.processing.parallel.fastpath import fastpath_enabled
 from evflow.processing.parallel.lazystore import LazyEvent, untouched
 from evflow.processing.parallel.persist import encode_persistent
 from evflow.wire.codec import encode_event
@@ -90,6 +91,7 @@ class _Worker:
         self.first_event_at = 0.0  # wall clock (s) when the first batch arrived
         self.bad = BadMessageCounter(f"worker {name}")
         self.memory_limit_b = 0  # reliability: recycle the worker above this RSS (0: never)
+        self.eager = not fastpath_enabled()  # EVFLOW_NO_FASTPATH: decode every event
 
     def run(self) -> int:
         hello = hello_header(pid=os.getpid(), name=self.name)
@@ -124,6 +126,8 @@ class _Worker:
         t0 = time.perf_counter()
         for i, frames in enumerate(events):
             store = LazyEvent(frames)  # objects are decoded when a module asks
+            if self.eager:
+                store.load()
             meta = store.meta
             fresh = meta.attempt == attempt  # the frames' meta is still right
             meta.attempt = attempt

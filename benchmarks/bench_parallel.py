@@ -1,6 +1,6 @@
 """Parallel processing: speedup, serial cost, chain throughput and start-up, one run.
 
-    python benchmarks/bench_parallel.py [--quick] [--plots DIR]
+    python benchmarks/bench_parallel.py [--quick] [--serial] [--plots DIR]
 
 - speedup: eta(p) = T(1) / T(p) for 1 ms and 10 ms of CPU work per event (BusyWork),
   p = 1 .. 4 (2 cores here, so 3 and 4 oversubscribe), T = the run's wall time from
@@ -10,7 +10,9 @@
   events with no-op workers;
 - chain throughput: events/s and GB/s through input -> 2 no-op workers -> output,
   side by side with a raw pyzmq ROUTER -> DEALER -> PUSH/PULL chain (same processes,
-  same payload bytes, one message per event, credit 4, nothing else);
+  same payload bytes, one message per event, credit 4, nothing else); each size runs
+  twice, interleaved: without (EVFLOW_NO_FASTPATH=1) and with the encoded-event fast
+  path, so that the ratio is measured under the same load (``--serial``: only this);
 - start-up: seconds from ``run_parallel`` to the first event processed and to every
   worker's HELLO, for 2, 8 and 32 workers (in-process; the python interpreter's own
   start and imports are measured separately).
@@ -32,6 +34,7 @@ import evflow
 from evflow.io import BusyWork, ToyGenerator
 from evflow.processing.options import ProcessOptions
 from evflow.processing.parallel import run_parallel
+from evflow.processing.parallel.fastpath import ENV_DISABLE
 
 
 def run(n: int, payload: int, work_ms: float, workers: int) -> Any:
@@ -81,33 +84,56 @@ def plot_speedup(results: dict[float, dict[int, float]], out: FsPath) -> None:
 SIZES = ((1024, 100_000), (100_000, 10_000), (1_000_000, 2_000))
 
 
-def serial_and_chain(quick: bool) -> list[dict[str, float]]:
+def _evflow_row(n: int, size: int, fast: bool) -> dict[str, float]:
+    """One no-op chain run; ``fast=False`` sets EVFLOW_NO_FASTPATH (the old path)."""
+    if fast:
+        os.environ.pop(ENV_DISABLE, None)
+    else:
+        os.environ[ENV_DISABLE] = "1"
+    try:
+        s = run(n, size, 0.0, 2)
+    finally:
+        os.environ.pop(ENV_DISABLE, None)
+    return {
+        "rate": n / s.wall_s,
+        "gbs": n * size / s.wall_s / 1e9,
+        "in_us": 1e6 * s.counters["input CPU (s)"] / n,
+        "out_us": 1e6 * s.counters["output CPU (s)"] / n,
+    }
+
+
+def serial_and_chain(quick: bool) -> list[dict[str, Any]]:
+    """Per size: the old path (EVFLOW_NO_FASTPATH=1), the fast path, the raw chain,
+    interleaved twice so that both see the same machine load."""
     rows = []
     for size, n in SIZES:
         n = n // 4 if quick else n
-        s = run(n, size, 0.0, 2)
-        raw_s = raw_chain(n, size, workers=2)
-        row = {
-            "size": size,
-            "n": n,
-            "rate": n / s.wall_s,
-            "gbs": n * size / s.wall_s / 1e9,
-            "in_us": 1e6 * s.counters["input CPU (s)"] / n,
-            "out_us": 1e6 * s.counters["output CPU (s)"] / n,
-            "raw_rate": n / raw_s,
-            "raw_gbs": n * size / raw_s / 1e9,
-        }
-        rows.append(row)
-    print("\nchain with 2 no-op workers vs raw pyzmq (same bytes), serial CPU per event")
+        for rep in (1, 2):
+            before = _evflow_row(n, size, fast=False)
+            after = _evflow_row(n, size, fast=True)
+            raw_s = raw_chain(n, size, workers=2)
+            rows.append(
+                {"size": size, "n": n, "rep": rep, "before": before, "after": after,
+                 "raw_rate": n / raw_s, "raw_gbs": n * size / raw_s / 1e9}
+            )  # fmt: skip
+    print("\nchain with 2 no-op workers vs raw pyzmq (same bytes), serial CPU per event;")
+    print("before = EVFLOW_NO_FASTPATH=1 (input encodes stores, workers decode every event)")
     print(
-        " size      events   evflow ev/s  GB/s   raw ev/s   GB/s   evflow/raw"
+        " size     rep  path      ev/s      GB/s   raw ev/s  raw GB/s  /raw"
         "  input us/ev  output us/ev"
     )
     for r in rows:
+        for label in ("before", "after"):
+            e = r[label]
+            print(
+                f"{r['size']:>9,} {r['rep']:>2}  {label:<6} {e['rate']:>10,.0f} {e['gbs']:6.3f} "
+                f"{r['raw_rate']:>10,.0f} {r['raw_gbs']:6.3f} {e['rate'] / r['raw_rate']:6.2f}"
+                f" {e['in_us']:11.1f} {e['out_us']:12.1f}"
+            )
+        b, a = r["before"], r["after"]
         print(
-            f"{r['size']:>9,} {r['n']:>7} {r['rate']:>11,.0f} {r['gbs']:6.3f} "
-            f"{r['raw_rate']:>10,.0f} {r['raw_gbs']:6.3f} {r['rate'] / r['raw_rate']:9.2f}"
-            f" {r['in_us']:12.1f} {r['out_us']:13.1f}"
+            f"{'':>9}     after/before: rate x{a['rate'] / b['rate']:.2f}, "
+            f"input CPU x{a['in_us'] / b['in_us']:.2f}"
         )
     return rows
 
@@ -223,8 +249,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer events (a smoke run)")
     parser.add_argument("--plots", default=str(FsPath(__file__).parent / "plots"))
+    parser.add_argument(
+        "--serial", action="store_true", help="only the serial-cost and chain measurements"
+    )
     args = parser.parse_args()
     print(f"bench_parallel, {os.cpu_count()} cores, pyzmq {zmq.__version__}")
+    if args.serial:
+        serial_and_chain(args.quick)
+        return
     results = speedup(args.quick)
     plots = FsPath(args.plots)
     plots.mkdir(parents=True, exist_ok=True)

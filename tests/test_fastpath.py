@@ -12,15 +12,23 @@ import pytest
 import evflow
 from evflow import DataStore, Module, Path
 from evflow.errors import CodecError, ParameterError
-from evflow.io import BusyWork, RecordOutput, RecordReader, ToyGenerator, _encoded_toy
+from evflow.io import (
+    BusyWork,
+    RecordInput,
+    RecordOutput,
+    RecordReader,
+    RecordWriter,
+    ToyGenerator,
+    _encoded_toy,
+)
 from evflow.io.records import decode_record
 from evflow.processing.chain import ModuleChain
-from evflow.processing.datastore import EventMeta, RunMeta
+from evflow.processing.datastore import FLAG_QUARANTINED, EventMeta, RunMeta
 from evflow.processing.module import Param, Source
 from evflow.processing.parallel.batching import BatchSizer
 from evflow.processing.parallel.fastpath import ENV_DISABLE, fastpath_allowed, read_encoded
 from evflow.processing.parallel.lazystore import LazyEvent, untouched
-from evflow.wire.codec import encode_event
+from evflow.wire.codec import decode_event, encode_event
 
 
 def as_bytes(frames: list[Any]) -> list[bytes]:
@@ -253,3 +261,46 @@ def test_lazy_event_rejects_bad_frames_with_codec_error() -> None:
     broken = LazyEvent([bytes(good[0])[:-2]])  # the meta is intact, the entries are not
     with pytest.raises(CodecError):
         broken["a"]
+
+
+# --- RecordInput.encoded_events ----------------------------------------------------------
+def test_record_encoded_events_decode_to_what_events_yields(tmp_path: FsPath) -> None:
+    file = tmp_path / "r.evr"
+    gen = ToyGenerator(n_events=40, payload_bytes=20_000, seed=2)
+    with RecordWriter(str(file), fsync=False) as writer:
+        for store in gen.events():
+            # record-header flags are OR-ed into the meta by both paths
+            writer.write_frames(store.meta.uid, FLAG_QUARANTINED * (store.meta.uid % 3 == 0),
+                                encode_event(store))  # fmt: skip
+    source = RecordInput(file=str(file))
+    expected = list(source.events(5))
+    encoded = list(source.encoded_events(5))
+    assert len(encoded) == len(expected) == 35
+    for (uid, experiment, run, frames), store in zip(encoded, expected, strict=True):
+        got = decode_event(frames)
+        assert (uid, experiment, run) == (store.meta.uid, store.meta.experiment, store.meta.run)
+        assert got.meta == store.meta
+        assert got.meta.flags == (FLAG_QUARANTINED if uid % 3 == 0 else 0)
+        assert sorted(got.objects) == sorted(store.objects)
+        assert bytes(got["payload"]) == bytes(store["payload"])
+        assert (got["position"], got["value"], got["tag"]) == (
+            store["position"], store["value"], store["tag"]
+        )  # fmt: skip
+
+
+def test_record_input_through_the_fast_path_writes_what_sequential_writes(
+    tmp_path: FsPath, monkeypatch
+) -> None:
+    monkeypatch.delenv(ENV_DISABLE, raising=False)
+    src = tmp_path / "in.evr"
+    evflow.process(Path([ToyGenerator(n_events=300, payload_bytes=500, seed=8),
+                         RecordOutput(file=str(src), fsync=False)]), quiet=True)  # fmt: skip
+
+    def path(out: FsPath) -> Path:
+        return Path([RecordInput(file=str(src)), BusyWork(work_ms=0.0),
+                     RecordOutput(file=str(out), fsync=False)])  # fmt: skip
+
+    evflow.process(path(tmp_path / "seq.evr"), quiet=True)
+    evflow.process(path(tmp_path / "par.evr"), workers=2, quiet=True)
+    expected = read_events(tmp_path / "seq.evr")
+    assert len(expected) == 300 and read_events(tmp_path / "par.evr") == expected

@@ -26,7 +26,12 @@ from evflow.processing.chain import ModuleChain
 from evflow.processing.datastore import FLAG_QUARANTINED, EventMeta, RunMeta
 from evflow.processing.module import Param, Source
 from evflow.processing.parallel.batching import BatchSizer
-from evflow.processing.parallel.fastpath import ENV_DISABLE, fastpath_allowed, read_encoded
+from evflow.processing.parallel.fastpath import (
+    ENV_DISABLE,
+    encoded_source,
+    fastpath_allowed,
+    read_encoded,
+)
 from evflow.processing.parallel.lazystore import LazyEvent, untouched
 from evflow.wire.codec import decode_event, encode_event
 
@@ -54,6 +59,17 @@ def test_toy_encoded_events_match_across_msgpack_int_widths(start: int) -> None:
     for k, (uid, _, _, frames) in zip(range(300), encoded, strict=False):
         assert uid == start + k
         assert as_bytes(frames) == as_bytes(encode_event(gen.make_event(start + k)))
+
+
+def test_toy_encoded_batches_are_the_encoded_events_in_chunks() -> None:
+    gen = ToyGenerator(n_events=700, payload_bytes=50, seed=9, run=4)
+    flat = [
+        (uid, experiment, run, as_bytes(frames))
+        for uids, experiment, run, chunk in gen.encoded_batches(100)
+        for uid, frames in zip(uids, chunk, strict=True)
+    ]
+    assert flat == [(u, e, r, as_bytes(f)) for u, e, r, f in gen.encoded_events(100)]
+    assert [u for u, _, _, _ in flat] == list(range(100, 700))
 
 
 def test_toy_encoded_events_start_and_end_like_events() -> None:
@@ -109,6 +125,10 @@ class MarkedToy(ToyGenerator):
     def encoded_events(self, start: int = 0) -> Any:
         FsPath(self.marker).touch()
         return super().encoded_events(start)
+
+    def encoded_batches(self, start: int = 0) -> Any:
+        FsPath(self.marker).touch()
+        return super().encoded_batches(start)
 
 
 def read_events(file: FsPath) -> dict[int, tuple[Any, ...]]:
@@ -212,7 +232,8 @@ class Role:
 def test_read_encoded_counts_switches_runs_and_ends() -> None:
     source = RunSource()
     role = Role(source)
-    it = source.encoded_events(0)
+    it = encoded_source(role.chain, 0)
+    assert it is not None
     enc, uids, positions = read_encoded(role, it, 4)
     assert uids == positions == [0, 1, 2, 3] and len(enc) == 4 and not role.exhausted
     assert source.runs == [("begin", 1)]
@@ -229,9 +250,11 @@ def test_read_encoded_counts_switches_runs_and_ends() -> None:
 
 def test_read_encoded_stops_at_max_events() -> None:
     role = Role(RunSource(), max_events=3)
+    reader = encoded_source(role.chain, 0)
+    assert reader is not None
     uids: list[int] = []
     while not role.exhausted:
-        uids += read_encoded(role, role.source.encoded_events(0), 100)[1]
+        uids += read_encoded(role, reader, 100)[1]
     assert uids == [0, 1, 2]
 
 

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from evflow.io.generators import ToyGenerator
 
 EncodedEvent = tuple[int, int, int, list[Any]]
+EncodedBatch = tuple[list[int], int, int, list[list[Any]]]
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
@@ -195,8 +196,13 @@ def _same(a: list[Any], b: list[Any]) -> bool:
     return len(a) == len(b) and all(bytes(x) == bytes(y) for x, y in zip(a, b, strict=True))
 
 
-def encoded_toy_events(gen: ToyGenerator, start: int, window: int) -> Iterator[EncodedEvent]:
-    """``(uid, experiment, run, frames)`` of the events from ``start`` on."""
+def encoded_toy_batches(
+    gen: ToyGenerator, start: int, window: int, burn: bool = True
+) -> Iterator[EncodedBatch]:
+    """``(uids, experiment, run, frames)`` of up to ``CHUNK_EVENTS`` events at a time.
+
+    ``burn=False`` leaves the source's ``work_ms`` to the caller.
+    """
     from evflow.io.generators import burn_cpu
 
     enc = ToyEncoder(gen, window)
@@ -204,24 +210,32 @@ def encoded_toy_events(gen: ToyGenerator, start: int, window: int) -> Iterator[E
     if start >= n_events:
         return
     reference = encode_event(gen.make_event(start))
-    if not _same(enc.chunk(start, start + 1)[0], reference) or not _same(
-        enc.frames(start), reference
-    ):
-        # the codec changed: stay correct, only slower
-        slow = _slow_frames(gen)
-        for position in range(start, n_events):
-            if work_ms > 0:
-                burn_cpu(work_ms)
-            yield (position, experiment, run, slow(position))
-        return
+    chunk = enc.chunk
+    if not _same(chunk(start, start + 1)[0], reference) or not _same(enc.frames(start), reference):
+        slow = _slow_frames(gen)  # the codec changed: stay correct, only slower
+
+        def chunk(first: int, stop: int) -> list[list[Any]]:
+            return [slow(p) for p in range(first, stop)]
+
     position = start
     while position < n_events:
         stop = min(n_events, position + CHUNK_EVENTS, _width_stop(position))
-        for frames in enc.chunk(position, stop):
+        if burn and work_ms > 0:
+            burn_cpu(work_ms * (stop - position))
+        yield (list(range(position, stop)), experiment, run, chunk(position, stop))
+        position = stop
+
+
+def encoded_toy_events(gen: ToyGenerator, start: int, window: int) -> Iterator[EncodedEvent]:
+    """``(uid, experiment, run, frames)`` of the events from ``start`` on."""
+    from evflow.io.generators import burn_cpu
+
+    work_ms = gen.work_ms
+    for uids, experiment, run, frames in encoded_toy_batches(gen, start, window, burn=False):
+        for uid, event_frames in zip(uids, frames, strict=True):
             if work_ms > 0:
                 burn_cpu(work_ms)
-            yield (position, experiment, run, frames)
-            position += 1
+            yield (uid, experiment, run, event_frames)
 
 
 def _slow_frames(gen: ToyGenerator) -> Any:

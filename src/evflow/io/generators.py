@@ -114,6 +114,16 @@ class ToyGenerator(Source):
 
         return encoded_toy_events(self, start, _WINDOW)
 
+    def encoded_batches(
+        self, start: int = 0
+    ) -> Iterator[tuple[list[int], int, int, list[list[Any]]]]:
+        """``encoded_events`` in chunks: ``(uids, experiment, run, [frames, ...])``."""
+        if start < 0:
+            raise ParameterError(f"source {self.name!r}: start must be >= 0, got {start}")
+        from evflow.io._encoded_toy import encoded_toy_batches
+
+        return encoded_toy_batches(self, start, _WINDOW)
+
 
 class BusyWork(Module):
     """Burns ``work_ms`` ms of CPU time per event (a busy loop, never sleep)."""

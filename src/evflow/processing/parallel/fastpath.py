@@ -2,10 +2,11 @@
 
 When the input path is the source alone (no serial module before the first parallel
 one) and the source offers ``encoded_events(start)`` (yielding ``(uid, experiment,
-run, frames)`` with the frames ``encode_event`` would give for ``events(start)``),
-the input never builds a ``DataStore``: it takes the frames as they come, in batches
-built with list operations. Everything else (ledger, credits, confirms, resends) is
-the same as on the normal path.
+run, frames)`` with the frames ``encode_event`` would give for ``events(start)``) or
+``encoded_batches(start)`` (yielding ``(uids, experiment, run, [frames, ...])``, one
+run per chunk), the input never builds a ``DataStore``: it cuts its batches out of
+the source's chunks with list slices. Everything else (ledger, credits, confirms,
+resends) is the same as on the normal path.
 
 Set ``EVFLOW_NO_FASTPATH=1`` to turn it off, together with the workers' lazy decoding
 (``lazystore.py``): benchmarks compare both in one run.
@@ -38,24 +39,74 @@ def fastpath_allowed(chain: ModuleChain) -> bool:
         return False
     if len(chain.modules) != 1:
         return False  # serial modules run on a DataStore: they need the slow path
-    return callable(getattr(chain.modules[0], "encoded_events", None))
+    source = chain.modules[0]
+    return any(callable(getattr(source, m, None)) for m in ("encoded_batches", "encoded_events"))
 
 
-def encoded_source(chain: ModuleChain, start: int) -> Iterator[Any] | None:
-    """The source's encoded-event iterator from ``start``, or None if not allowed."""
+def encoded_source(chain: ModuleChain, start: int) -> EncodedReader | None:
+    """A reader of the source's encoded events from ``start``, or None if not allowed."""
     if not fastpath_allowed(chain):
         return None
     source = chain.modules[0]
     try:
-        return iter(source.encoded_events(start))  # type: ignore[attr-defined]
+        batches = getattr(source, "encoded_batches", None)
+        if callable(batches):
+            return EncodedReader(iter(batches(start)))
+        return EncodedReader(_chunks(iter(source.encoded_events(start))))  # type: ignore[attr-defined]
     except EvflowError:
         raise
     except Exception as exc:
         raise ModuleError(source.name, "events", None, exc, user_traceback(exc)) from exc
 
 
-def read_encoded(role: Any, it: Iterator[Any], n: int) -> tuple[list[Any], list[int], list[int]]:
-    """Up to ``n`` events from ``it`` as (frames, uids, positions) lists.
+def _chunks(events: Iterator[Any], size: int = 256) -> Iterator[Any]:
+    """Per-event ``(uid, experiment, run, frames)`` grouped into one-run chunks."""
+    try:
+        while True:
+            items = list(itertools.islice(events, size))
+            if not items:
+                return
+            first = 0
+            for i in range(1, len(items) + 1):
+                if i == len(items) or items[i][1:3] != items[first][1:3]:
+                    part = items[first:i]
+                    yield ([e[0] for e in part], part[0][1], part[0][2], [e[3] for e in part])
+                    first = i
+    finally:
+        close = getattr(events, "close", None)
+        if close is not None:
+            close()
+
+
+class EncodedReader:
+    """The source's encoded chunks, cut into the input's batches."""
+
+    __slots__ = ("_chunks", "_pending")
+
+    def __init__(self, chunks: Iterator[Any]) -> None:
+        self._chunks = chunks
+        self._pending: list[Any] | None = None  # [uids, experiment, run, frames, offset]
+
+    def _next_chunk(self) -> list[Any] | None:
+        pending = self._pending
+        if pending is not None and pending[4] < len(pending[0]):
+            return pending
+        chunk = next(self._chunks, None)
+        while chunk is not None and not chunk[0]:
+            chunk = next(self._chunks, None)
+        self._pending = None if chunk is None else [*chunk, 0]
+        return self._pending
+
+    def close(self) -> None:
+        close = getattr(self._chunks, "close", None)
+        if close is not None:
+            close()  # a generator source closes its files now
+
+
+def read_encoded(
+    role: Any, reader: EncodedReader, n: int
+) -> tuple[list[Any], list[int], list[int]]:
+    """Up to ``n`` events from ``reader`` as (frames, uids, positions) lists.
 
     ``role`` is the input (``chain``, ``sizer``, ``read``, ``max_events``,
     ``start_position``, ``exhausted``, ``source``); its counters are updated as
@@ -68,45 +119,38 @@ def read_encoded(role: Any, it: Iterator[Any], n: int) -> tuple[list[Any], list[
             role.exhausted = True
             return [], [], []
     chain = role.chain
+    enc: list[Any] = []
+    uids: list[int] = []
     t0 = time.perf_counter()
+    got = 0
     try:
-        items = list(itertools.islice(it, 1))
-        if items:  # the batch's first event updates the batch size, as on the normal path
-            role.sizer.observe_size(frames_nbytes(items[0][3]))
-            limit = min(limit, role.sizer.size())
-        if items and limit > 1:
-            items += itertools.islice(it, limit - 1)
+        while got < limit:
+            pending = reader._next_chunk()
+            if pending is None:
+                role.exhausted = True
+                break
+            chunk_uids, experiment, run, frames, offset = pending
+            if not got:  # the batch's first event updates the batch size, as for stores
+                role.sizer.observe_size(frames_nbytes(frames[offset]))
+                limit = min(limit, role.sizer.size())
+            current = chain.run
+            if current is None or current.run != run or current.experiment != experiment:
+                chain.switch_run(experiment, run)
+            end = min(len(chunk_uids), offset + limit - got)
+            uids += chunk_uids[offset:end]
+            enc += frames[offset:end]
+            got += end - offset
+            pending[4] = end
     except EvflowError:
         raise
     except Exception as exc:
         source = role.source
         raise ModuleError(source.name, "events", None, exc, user_traceback(exc)) from exc
-    got = len(items)
     stats = chain.stats
     stats.calls[0] += got
     stats.time_s[0] += time.perf_counter() - t0
-    if got < limit:
-        role.exhausted = True
-    if not got:
-        return [], [], []
     first = role.start_position + role.read
     role.read += got
     if role.max_events and role.read >= role.max_events:
         role.exhausted = True
-    _switch_runs(chain, items)
-    uids = [item[0] for item in items]
-    enc = [item[3] for item in items]
     return enc, uids, list(range(first, first + got))
-
-
-def _switch_runs(chain: ModuleChain, items: list[Any]) -> None:
-    """Run the begin/end-run hooks where the events' (experiment, run) changes."""
-    current = chain.run
-    if current is not None and all(
-        item[1] == current.experiment and item[2] == current.run for item in items
-    ):
-        return
-    for item in items:  # rare: a run boundary in this batch (or the first batch)
-        current = chain.run
-        if current is None or current.run != item[2] or current.experiment != item[1]:
-            chain.switch_run(item[1], item[2])

@@ -18,12 +18,22 @@ from evflow.demo import (
     CandidateFilter,
     DimuonMass,
     FourLeptonMass,
+    FourLeptonRefit,
     LeptonSelection,
     MassHistograms,
+    ZMassFit,
+    default_workers,
     hzz_path,
     run_demo,
 )
 from evflow.demo.analysis import INPUT_BRANCHES
+from evflow.demo.zfit import (
+    MUON_MASS_GEV,
+    Z_MASS_GEV,
+    breit_wigner_penalty,
+    fit_lineshape,
+    fit_mass_constraint,
+)
 from evflow.errors import OutputError, ParameterError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -72,6 +82,8 @@ def expected_selection(n_events: int | None = None) -> dict[str, np.ndarray]:
         "m_mumu": m_mumu,
         "m_4l": m_4l,
         "mu_px": mu.px,
+        "mu_py": mu.py,
+        "mu_pz": mu.pz,
         "n_mu": ak.to_numpy(ak.num(mu)),
         "n_events": np.array(len(arrays)),
     }
@@ -84,7 +96,35 @@ def expected() -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory: pytest.TempPathFactory):
-    return run_demo(tmp_path_factory.mktemp("demo") / "out", quiet=True)
+    """The sequential demo (-p 0)."""
+    return run_demo(tmp_path_factory.mktemp("demo") / "out", workers=0, quiet=True)
+
+
+@pytest.fixture(scope="module")
+def parallel_run(tmp_path_factory: pytest.TempPathFactory):
+    """The demo as `evflow demo` runs it: one worker per core."""
+    return run_demo(tmp_path_factory.mktemp("demo-par") / "out", quiet=True)
+
+
+FIT_BRANCHES = [
+    "z_i",
+    "z_j",
+    "z_converged",
+    "z_mass_meas",
+    "z_mass",
+    "z_chi2",
+    "z_mass_ls",
+    "zmu_pt",
+    "zmu_eta",
+    "zmu_phi",
+    "zfit_chi2",
+    "m_4l_zfit",
+]
+
+
+def _read_sorted(file: Path, branches: list[str]) -> ak.Array:
+    got = uproot.open(file)["events"].arrays(["evflow_uid", *branches])
+    return got[np.argsort(ak.to_numpy(got.evflow_uid))]  # workers may reorder events
 
 
 def test_demo_output_root_file_matches_the_independent_selection(demo_run, expected) -> None:
@@ -123,7 +163,9 @@ def test_demo_writes_a_valid_png(demo_run) -> None:
     import matplotlib.pyplot as plt
 
     image = plt.imread(demo_run.plot_png)
-    assert image.shape[0] >= 300 and image.shape[1] >= 800
+    assert image.shape[0] >= 700 and image.shape[1] >= 1000  # four panels
+    for key in ("z_chi2", "z_mass_ls", "m_4l_zfit"):  # what the new panels show is booked
+        assert demo_run.summary.persistent[key].sum() > 10
     assert image.std() > 0.05  # not a blank canvas
 
 
@@ -132,11 +174,15 @@ def test_demo_module_statistics_count_the_trigger(demo_run, expected) -> None:
     assert stats["RootInput"].calls == 2421
     assert stats["CandidateFilter"].dropped == 2421 - len(expected["uids"])
     assert stats["RootOutput"].calls == len(expected["uids"])
-    assert all(stats[m].calls == 2421 for m in ("MuonSelection", "DimuonMass", "MassHistograms"))
+    assert all(
+        stats[m].calls == 2421
+        for m in ("MuonSelection", "DimuonMass", "ZMassFit", "MassHistograms")
+    )
+    assert stats["ZMassFit"].time_s > 0.5 * sum(s.time_s for s in demo_run.summary.modules)
 
 
 def test_demo_max_events(tmp_path: Path) -> None:
-    result = run_demo(tmp_path, max_events=300, quiet=True)
+    result = run_demo(tmp_path, max_events=300, workers=0, quiet=True)
     assert result.summary.events_read == 300
     want = expected_selection(300)["uids"]
     got = uproot.open(result.selected_root)["events"]["evflow_uid"].array(library="np")
@@ -160,6 +206,8 @@ def test_demo_command_runs_and_reports_its_files(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "500 read" in result.stdout and "Module statistics" in result.stdout
+    # parallel by default: one worker per core, and the demo's own report line
+    assert f"demo: {default_workers()} workers on {default_workers()} cores" in result.stdout
     assert f"plot:            {out / 'masses.png'}" in result.stdout
     assert (out / "masses.png").read_bytes()[:8] == PNG_MAGIC
     assert uproot.open(out / "selected.root")["events"].num_entries > 200
@@ -271,21 +319,215 @@ def test_mass_histograms_live_in_persistent_and_flush_at_end_of_run() -> None:
     assert (persistent["m_mumu"] + persistent["m_mumu"]).sum() == 8
 
 
-def test_parallel_demo_matches_the_independent_selection(
-    tmp_path: Path, expected, demo_run
-) -> None:
-    result = run_demo(tmp_path, workers=2, quiet=True)
-    assert result.summary.workers == 2 and result.summary.events_read == 2421
-    got = uproot.open(result.selected_root)["events"].arrays(["evflow_uid", "m_mumu"])
-    order = np.argsort(ak.to_numpy(got.evflow_uid))  # workers may reorder events
-    uids = ak.to_numpy(got.evflow_uid)[order].astype(np.int64)
+def test_parallel_demo_matches_the_independent_selection(parallel_run, expected, demo_run) -> None:
+    result = parallel_run
+    assert result.summary.workers == default_workers() > 0
+    assert result.summary.events_read == 2421
+    got = _read_sorted(result.selected_root, ["m_mumu", "m_4l", "mu_px", "n_mu"])
+    uids = ak.to_numpy(got.evflow_uid).astype(np.int64)
     np.testing.assert_array_equal(uids, expected["uids"])
-    np.testing.assert_allclose(ak.to_numpy(got.m_mumu)[order], expected["m_mumu"][uids], rtol=1e-12)
+    np.testing.assert_allclose(ak.to_numpy(got.m_mumu), expected["m_mumu"][uids], rtol=1e-12)
+    np.testing.assert_allclose(ak.to_numpy(got.m_4l), expected["m_4l"][uids], rtol=1e-9)
+    np.testing.assert_array_equal(ak.to_numpy(got.n_mu), expected["n_mu"][uids])
+    np.testing.assert_allclose(
+        ak.to_numpy(ak.flatten(got.mu_px)), ak.to_numpy(ak.flatten(expected["mu_px"][uids]))
+    )
     # histograms merged over the workers equal the sequential ones exactly
-    for key in ("m_mumu", "m_4l"):
+    for key, h in demo_run.summary.persistent.items():
         np.testing.assert_array_equal(
-            result.summary.persistent[key].values(flow=True),
-            demo_run.summary.persistent[key].values(flow=True),
+            result.summary.persistent[key].values(flow=True), h.values(flow=True)
         )
-    workers = {s.process for s in result.summary.modules if s.module == "MuonSelection"}
-    assert workers == {"worker-0", "worker-1"}
+    workers = {s.process for s in result.summary.modules if s.module == "ZMassFit"}
+    assert workers == {f"worker-{i}" for i in range(default_workers())}
+
+
+def test_fitted_values_are_identical_in_sequential_and_parallel_runs(
+    demo_run, parallel_run
+) -> None:
+    seq = _read_sorted(demo_run.selected_root, FIT_BRANCHES)
+    par = _read_sorted(parallel_run.selected_root, FIT_BRANCHES)
+    for key in ["evflow_uid", *FIT_BRANCHES]:
+        a, b = seq[key], par[key]
+        if a.ndim > 1:
+            assert ak.all(ak.num(a) == ak.num(b))
+            a, b = ak.flatten(a), ak.flatten(b)
+        np.testing.assert_array_equal(ak.to_numpy(a), ak.to_numpy(b), err_msg=key)  # bit for bit
+
+
+# --- the kinematic fit -------------------------------------------------------------------------
+def _sigmas(pt: np.ndarray) -> tuple[np.ndarray, float, float]:
+    """The demo's resolution model, written out: sigma(1/pT), sigma(eta), sigma(phi)."""
+    rel = np.sqrt(0.02**2 + (1e-4 * pt) ** 2)
+    return rel / pt, 1e-3, 1e-3
+
+
+def _pt_mass(pt: np.ndarray, eta: np.ndarray, phi: np.ndarray, m: float = MUON_MASS_GEV) -> float:
+    p = np.stack([pt * np.cos(phi), pt * np.sin(phi), pt * np.sinh(eta)])
+    e = np.sqrt((p**2).sum(axis=0) + m * m)
+    total = np.append(p.sum(axis=1), e.sum())
+    return float(np.sqrt(total[3] ** 2 - (total[:3] ** 2).sum()))
+
+
+def _chi2(pt0, eta0, phi0, pt, eta, phi) -> float:
+    s_k, s_eta, s_phi = _sigmas(pt0)
+    return float(
+        (((1 / pt - 1 / pt0) / s_k) ** 2).sum()
+        + (((eta - eta0) / s_eta) ** 2).sum()
+        + (((phi - phi0) / s_phi) ** 2).sum()
+    )
+
+
+def test_demo_z_fit_on_real_data_meets_the_constraint_and_its_chi2(demo_run, expected) -> None:
+    got = _read_sorted(demo_run.selected_root, FIT_BRANCHES)
+    uids = ak.to_numpy(got.evflow_uid).astype(np.int64)
+    ok = ak.to_numpy(got.z_converged)
+    assert ok.mean() > 0.9  # nearly every dimuon event has a converged Z candidate
+    chi2 = ak.to_numpy(got.z_chi2)
+    m_meas = ak.to_numpy(got.z_mass_meas)
+    checked = 0
+    for n in np.flatnonzero(ok):
+        uid, i, j = uids[n], int(got.z_i[n]), int(got.z_j[n])
+        px, py, pz = (ak.to_numpy(expected[k][uid])[[i, j]] for k in ("mu_px", "mu_py", "mu_pz"))
+        pt0, eta0, phi0 = np.hypot(px, py), np.arcsinh(pz / np.hypot(px, py)), np.arctan2(py, px)
+        pt, eta, phi = (ak.to_numpy(got[k][n]) for k in ("zmu_pt", "zmu_eta", "zmu_phi"))
+        # the stored fitted muons make m_Z, and their chi2 is the stored one
+        assert _pt_mass(pt, eta, phi) == pytest.approx(Z_MASS_GEV, abs=1e-6)
+        assert got.z_mass[n] == pytest.approx(Z_MASS_GEV, abs=1e-6)
+        assert _chi2(pt0, eta0, phi0, pt, eta, phi) == pytest.approx(chi2[n], rel=1e-6, abs=1e-9)
+        assert m_meas[n] == pytest.approx(_pt_mass(pt0, eta0, phi0), rel=1e-12)
+        assert chi2[n] == pytest.approx(np.min(ak.to_numpy(got.zfit_chi2[n])))  # best pair
+        checked += 1
+    assert checked > 1000
+    # chi2 grows like ((m - m_Z) / sigma_m)^2: small near the peak, large off-shell
+    near = ok & (np.abs(m_meas - Z_MASS_GEV) < 1.0)
+    far = ok & (np.abs(m_meas - Z_MASS_GEV) > 10.0)
+    assert near.sum() > 100 and far.sum() > 20
+    assert np.median(chi2[near]) < 1.0 < 20.0 < np.median(chi2[far])
+    # the line-shape fit pulls the candidates towards m_Z, never past it
+    m_ls = ak.to_numpy(got.z_mass_ls)[ok]
+    assert np.all(np.abs(m_ls - Z_MASS_GEV) <= np.abs(m_meas[ok] - Z_MASS_GEV) + 1e-6)
+    assert np.std(m_ls[near[ok]] - Z_MASS_GEV) < np.std(m_meas[near] - Z_MASS_GEV)
+
+
+def test_mass_constrained_fit_is_the_constrained_minimum() -> None:
+    pt0, eta0, phi0 = np.array([40.0, 35.0]), np.array([0.3, -0.5]), np.array([0.1, 2.9])
+    fit = fit_mass_constraint(pt0, eta0, phi0)
+    assert fit.converged and fit.n_iter < 10
+    assert fit.mass_measured_gev == pytest.approx(_pt_mass(pt0, eta0, phi0))
+    assert fit.mass_fit_gev == pytest.approx(Z_MASS_GEV, abs=1e-7)
+    assert fit.chi2 == pytest.approx(_chi2(pt0, eta0, phi0, fit.pt_gev, fit.eta, fit.phi), rel=1e-9)
+    # Lagrange condition, checked with finite differences: grad chi2 is parallel to grad M
+    x = np.concatenate([1 / fit.pt_gev, fit.eta, fit.phi])
+    x0 = np.concatenate([1 / pt0, eta0, phi0])
+    s_k, s_eta, s_phi = _sigmas(pt0)
+    var = np.concatenate([s_k**2, [s_eta**2] * 2, [s_phi**2] * 2])
+    grad_chi2 = 2 * (x - x0) / var
+
+    def mass_of(v: np.ndarray) -> float:
+        return _pt_mass(1 / v[:2], v[2:4], v[4:])
+
+    grad_m = np.array(
+        [
+            (mass_of(x + dx) - mass_of(x - dx)) / (2 * dx[k])
+            for k, dx in enumerate(np.diag(np.abs(x) * 1e-6 + 1e-9))
+        ]
+    )
+    cos = grad_chi2 @ grad_m / np.linalg.norm(grad_chi2) / np.linalg.norm(grad_m)
+    assert abs(cos) == pytest.approx(1.0, abs=1e-6)
+    # and no other point on the constraint surface nearby has a smaller chi2
+    rng = np.random.default_rng(7)
+    for _ in range(50):
+        y = x + rng.normal(0, np.sqrt(var) * 0.3)
+        y[:2] *= (mass_of(y) / Z_MASS_GEV) ** 2  # M ~ 1/sqrt(k1 k2): back onto M = m_Z
+        for _ in range(3):
+            y[:2] *= (mass_of(y) / Z_MASS_GEV) ** 1
+        assert mass_of(y) == pytest.approx(Z_MASS_GEV, abs=1e-3)
+        assert ((y - x0) ** 2 / var).sum() > fit.chi2
+    # a pair measured at m_Z is left alone
+    at_z = fit_mass_constraint(fit.pt_gev, fit.eta, fit.phi)
+    assert at_z.converged and at_z.chi2 < 1e-12
+
+
+def test_lineshape_fit_moves_near_on_shell_pairs_and_keeps_off_shell_ones() -> None:
+    eta, phi = np.array([0.3, -0.5]), np.array([0.1, 2.9])
+    for pt in ([40.0, 35.0], [46.0, 44.0], [10.0, 8.0], [60.0, 50.0]):
+        fit, nll = fit_lineshape(np.array(pt), eta, phi)
+        m0, m = fit.mass_measured_gev, fit.mass_fit_gev
+        assert fit.converged
+        assert min(m0, Z_MASS_GEV) - 1e-6 <= m <= max(m0, Z_MASS_GEV) + 1e-6
+        assert nll == pytest.approx(
+            fit.chi2 + breit_wigner_penalty(m) - breit_wigner_penalty(Z_MASS_GEV), rel=1e-6
+        )
+        # a minimum of chi2(m) - 2 ln BW(m): both neighbours (hard fits at m +- d) are worse
+        for d in (0.3 * fit.sigma_mass_gev, -0.3 * fit.sigma_mass_gev):
+            other = fit_mass_constraint(np.array(pt), eta, phi, target_gev=m + d)
+            worse = other.chi2 + breit_wigner_penalty(m + d) - breit_wigner_penalty(Z_MASS_GEV)
+            assert worse >= nll - 0.05
+        if abs(m0 - Z_MASS_GEV) > 50:  # far off-shell: stays within its resolution
+            assert abs(m - m0) < 0.5 * fit.sigma_mass_gev
+        if abs(m0 - Z_MASS_GEV) < 2 * fit.sigma_mass_gev:  # on-shell: pulled to the pole
+            assert abs(m - Z_MASS_GEV) < 0.5 * abs(m0 - Z_MASS_GEV)
+
+
+def _z_pair(mass_gev: float, pz_gev: float = 0.0) -> list[tuple[float, float, float, float, int]]:
+    """Two back-to-back muons along x (plus a common pz) with pair mass ``mass_gev``."""
+    p = math.sqrt((mass_gev / 2) ** 2 - MUON_MASS_GEV**2)
+    e = math.sqrt(p * p + pz_gev * pz_gev / 4 + MUON_MASS_GEV**2)
+    return [(p, 0.0, pz_gev / 2, e, 1), (-p, 0.0, pz_gev / 2, e, -1)]
+
+
+def test_z_fit_modules_pick_the_most_z_like_pair_and_refit_m4l() -> None:
+    path = [
+        LeptonSelection(),
+        LeptonSelection(flavour="electron"),
+        DimuonMass(),
+        FourLeptonMass(),
+        ZMassFit(),
+        FourLeptonRefit(),
+    ]
+    # muons in pT order: (mu0+, mu1-) nearly collinear is the first pair (a few GeV),
+    # (mu0+, mu2-) back to back (98 GeV) is the Z candidate
+    muons = [
+        (0.0, 60.0, 0.0, 60.0, 1),
+        (0.0, 50.0, 5.0, math.hypot(50.0, 5.0), -1),
+        (0.0, -40.0, 0.0, 40.0, -1),
+    ]
+    store = _event(muons)
+    _run(store, *path)
+    assert len(store["zfit_chi2"]) == 2 and store["zfit_converged"][1]
+    assert (store["z_i"], store["z_j"]) == (0, 2)  # not the first pair, which DimuonMass takes
+    assert store["m_mumu"] < 10.0 < 90.0 < store["z_mass_meas"] < 100.0
+    assert store["z_chi2"] == store["zfit_chi2"].min() < store["zfit_chi2"].max()
+    assert store["z_mass"] == pytest.approx(Z_MASS_GEV, abs=1e-6)
+    assert math.isnan(store["m_4l_zfit"])  # fewer than four leptons
+    # four leptons, Z -> mu mu exactly on shell: the refit leaves m_4l unchanged
+    el = [(0.0, 20.0, 5.0, math.sqrt(425.0), 1), (0.0, -20.0, 5.0, math.sqrt(425.0), -1)]
+    store = _event(_z_pair(Z_MASS_GEV, 10.0), el)
+    _run(store, *path)
+    assert store["z_chi2"] < 1e-9
+    assert store["m_4l_zfit"] == pytest.approx(store["m_4l"], rel=1e-5)
+    # a Z measured 2 GeV low: the refit moves m_4l up
+    store = _event(_z_pair(Z_MASS_GEV - 2.0, 10.0), el)
+    _run(store, *path)
+    assert store["z_mass_meas"] < store["z_mass_ls"] < Z_MASS_GEV
+    assert store["m_4l_zfit"] > store["m_4l"] + 0.5
+    # no muon pair: the fit writes empty arrays and NaN, so every event has the same branches
+    store = _event([(30.0, 0.0, 0.0, 30.0, 1)])
+    _run(store, *path)
+    assert store["z_i"] == -1 and not store["z_converged"] and math.isnan(store["z_chi2"])
+    assert len(store["zfit_chi2"]) == 0 and len(store["zmu_pt"]) == 0
+
+
+def test_read_progress_draws_a_bar_of_the_events_read(capsys: pytest.CaptureFixture[str]) -> None:
+    from evflow.demo.runner import ReadProgress, build_path
+
+    bar = ReadProgress(total=5, interval_s=0.001)
+    bar.initialize()
+    for uid in range(5):
+        assert bar.event(DataStore(EventMeta(uid=uid), {})) is None
+    bar.terminate()
+    assert "5/5" in capsys.readouterr().err
+    # only a parallel run on a terminal gets it, right after the source (input process)
+    names = [m.name for m in build_path(hzz_path(), "x.root", progress_total=0).modules]
+    assert names[:2] == ["RootInput", "ReadProgress"]
+    assert "ReadProgress" not in [m.name for m in build_path(hzz_path(), "x.root").modules]

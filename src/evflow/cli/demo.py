@@ -14,8 +14,9 @@ def register(subparsers: Any) -> None:
         "demo",
         help="run the demo analysis on real data (uproot-HZZ.root)",
         description="Select muons and electrons in uproot-HZZ.root (scikit-hep-testdata), "
-        "build dimuon and four-lepton masses, fill histograms, keep events with a "
-        "dimuon candidate, write them to a ROOT file and plot the masses.",
+        "build dimuon and four-lepton masses, fit every opposite-charge muon pair to the "
+        "Z mass and line shape, refit the four-lepton mass, fill histograms, keep events "
+        "with a dimuon candidate, write them to a ROOT file and plot; on all cores.",
     )
     parser.add_argument(
         "-n",
@@ -29,9 +30,9 @@ def register(subparsers: Any) -> None:
         "-p",
         "--workers",
         type=non_negative_int,
-        default=0,
+        default=None,
         metavar="N",
-        help="worker processes (0: run in this process)",
+        help="worker processes (default: one per core; 0: run in this process)",
     )
     parser.add_argument(
         "-o",
@@ -72,6 +73,7 @@ def handle(args: argparse.Namespace) -> int:
         show_user_traceback(exc)
         raise
     if not args.quiet:
+        print(result.report())
         print(f"selected events: {result.selected_root}")
         print(f"histograms:      {result.histograms_root}")
         print(f"plot:            {result.plot_png}")

@@ -7,16 +7,20 @@ from evflow.demo.analysis import (
     LeptonSelection,
     MassHistograms,
 )
-from evflow.demo.runner import DemoResult, build_path, hzz_path, run_demo
+from evflow.demo.reco import FourLeptonRefit, ZMassFit
+from evflow.demo.runner import DemoResult, build_path, default_workers, hzz_path, run_demo
 
 __all__ = [
     "CandidateFilter",
     "DemoResult",
     "DimuonMass",
     "FourLeptonMass",
+    "FourLeptonRefit",
     "LeptonSelection",
     "MassHistograms",
+    "ZMassFit",
     "build_path",
+    "default_workers",
     "hzz_path",
     "run_demo",
 ]

@@ -9,6 +9,8 @@ Definitions (the demo's test recomputes them independently with awkward arrays):
   selected muons, NaN when there is none;
 - ``m_4l``: mass of the four highest-pT selected leptons (muons and electrons) when
   there are at least four and their charges sum to zero, NaN otherwise.
+
+The kinematic fits (the reconstruction step with real CPU cost) are in ``reco.py``.
 """
 
 from __future__ import annotations
@@ -141,10 +143,22 @@ def mass_hist(name: str, label: str, bins: int, low_gev: float, high_gev: float)
     return hist.Hist(hist.axis.Regular(bins, low_gev, high_gev, name=name, label=label))
 
 
-class MassHistograms(Module):
-    """Fill ``m_mumu`` and ``m_4l`` histograms (GeV) in ``store.persistent``.
+# histograms the demo books: store key -> (axis label, bins, low, high)
+HISTOGRAMS: dict[str, tuple[str, int, float, float]] = {
+    "m_mumu": ("m(μ+μ-) [GeV]", 60, 0.0, 150.0),
+    "m_4l": ("m(4l) [GeV]", 50, 50.0, 300.0),
+    "m_4l_zfit": ("m(4l), Z refitted [GeV]", 50, 50.0, 300.0),
+    "z_chi2": ("χ² of the m_Z-constrained fit", 50, 0.0, 25.0),
+    "z_mass_meas": ("m(μ+μ-) of the Z candidate [GeV]", 40, 70.0, 110.0),
+    "z_mass_ls": ("m(μ+μ-), line-shape fit [GeV]", 40, 70.0, 110.0),
+}
 
-    Masses missing from the store or NaN are not filled.
+
+class MassHistograms(Module):
+    """Fill the ``HISTOGRAMS`` (GeV, chi2) in ``store.persistent``.
+
+    Every histogram is booked in every process (parallel runs merge them by name);
+    values missing from the store or NaN are not filled.
 
     A hist ``fill`` costs ~40 µs whatever the number of values, so values are
     collected and filled in blocks of ``block`` and at ``end_run`` (before the
@@ -155,23 +169,18 @@ class MassHistograms(Module):
     block = Param(int, 1000, "values collected before one fill call")
 
     def initialize(self) -> None:
-        self._pending: dict[str, list[float]] = {"m_mumu": [], "m_4l": []}
+        self._pending: dict[str, list[float]] = {k: [] for k in HISTOGRAMS}
         self._hists: dict[str, Any] = {}
 
     def event(self, store: DataStore) -> bool | None:
         if not self._hists:
             self._hists = {
-                "m_mumu": persistent_hist(
-                    store, "m_mumu", lambda: mass_hist("m_mumu", "m(μ+μ-) [GeV]", 60, 0, 150)
-                ),
-                "m_4l": persistent_hist(
-                    store, "m_4l", lambda: mass_hist("m_4l", "m(4l) [GeV]", 50, 50, 300)
-                ),
+                key: persistent_hist(store, key, lambda k=key, s=spec: mass_hist(k, *s))
+                for key, spec in HISTOGRAMS.items()
             }
-        for key in ("m_mumu", "m_4l"):
-            value = store.get(key)  # a path without FourLeptonMass has no m_4l
+        for key, pending in self._pending.items():
+            value = store.get(key)  # a path without the fit has no z_chi2
             if value is not None and not math.isnan(value):
-                pending = self._pending[key]
                 pending.append(value)
                 if len(pending) >= self.block:
                     self._fill(key)
@@ -183,7 +192,7 @@ class MassHistograms(Module):
 
     def _fill(self, key: str) -> None:
         pending = self._pending[key]
-        if pending:
+        if pending and key in self._hists:
             self._hists[key].fill(np.asarray(pending))
             pending.clear()
 

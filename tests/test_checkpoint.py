@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -96,6 +97,7 @@ f = CheckpointFile(path)
 cp = f.load() if os.path.exists(path) else None
 pos = cp.position if cp else 0
 counts = {{f"counter_{{i}}": i for i in range(3000)}}  # a ~60 kB file: writes take a while
+print("writing", flush=True)  # the parent kills only once the write loop runs
 while True:
     pos += 1
     if naive:  # what not to do: overwrite in place
@@ -118,15 +120,21 @@ def _kill_during_writes(tmp_path: Path, mode: str, rounds: int) -> tuple[list[in
     rng = random.Random(1234)
     positions, torn = [], 0
     for _ in range(rounds):
-        proc = subprocess.Popen([sys.executable, str(script), str(path), mode])
+        proc = subprocess.Popen(
+            [sys.executable, str(script), str(path), mode], stdout=subprocess.PIPE
+        )
         try:
-            deadline = time.monotonic() + 20
-            while not path.exists() and time.monotonic() < deadline:
-                time.sleep(0.01)
+            # interpreter start-up takes 30-150 ms on a loaded machine: wait for the
+            # loop itself, then let it write for a random while before the kill
+            assert proc.stdout is not None
+            ready, _, _ = select.select([proc.stdout], [], [], 20)
+            assert ready and proc.stdout.readline() == b"writing\n"
             time.sleep(0.05 + rng.random() * 0.1)
         finally:
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=10)
+            if proc.stdout is not None:
+                proc.stdout.close()
         try:
             cp = CheckpointFile(path).load()
             assert cp is not None

@@ -237,6 +237,12 @@ class Parent:
                     with contextlib.suppress(EvflowError):
                         self.zygote.kill(pid, signal.SIGKILL)
                 self.aborting_at = self.done_at = now  # and wait for the exits
+        # a role sends its RESULT just before it exits; under load the exit can be seen
+        # first and the loop end with the RESULT still queued: wait for it briefly
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and not {"input", "output"} <= set(self.results):
+            if self.ctl.poll(50):
+                self._drain_ctl()
 
     def _drain_ctl(self) -> None:
         while True:

@@ -400,6 +400,8 @@ class Ledger:
             # we know the message it was working on: only its events are suspects
             current = q[0][0] if q else None
             suspects = [e for e in entries if e.send == current]
+            # (a READY still unsent when the worker died can make a finished lone
+            # message look current: rare, and bounded by max_attempts; see the docs)
             if len(suspects) == 1:
                 culprit_uid = suspects[0].uid
             for entry in entries:

@@ -226,7 +226,9 @@ def test_poison_segfault_is_quarantined_after_max_attempts(tmp_path: FsPath) -> 
     assert {3, 333} <= quarantined(flags) and len(quarantined(flags)) <= 3
     # each poison uid: max_attempts deaths alone, plus a few as a suspect (in a batch, or
     # a lone message with later ones queued, whose READY may have died unsent)
-    assert 4 <= summary.counters["workers lost"] <= 8
+    # deaths: max_attempts alone per poison uid, plus suspect rounds that depend on the
+    # engine's batch sizes; bounded (no crash loop) but not exact
+    assert 4 <= summary.counters["workers lost"] <= 16
 
 
 def test_a_path_that_crashes_on_every_event_stops_with_a_clear_message(

@@ -531,3 +531,11 @@ def test_read_progress_draws_a_bar_of_the_events_read(capsys: pytest.CaptureFixt
     names = [m.name for m in build_path(hzz_path(), "x.root", progress_total=0).modules]
     assert names[:2] == ["RootInput", "ReadProgress"]
     assert "ReadProgress" not in [m.name for m in build_path(hzz_path(), "x.root").modules]
+
+
+def test_keep_branches_drops_what_the_output_does_not_write() -> None:
+    from evflow.demo import KeepBranches
+
+    store = DataStore(EventMeta(uid=4), {"m_mumu": 91.0, "Muon_Px": np.ones(2), "zfit_chi2": []})
+    _run(store, KeepBranches(keep=["m_mumu", "z_chi2"]))
+    assert dict(store) == {"m_mumu": 91.0} and store.meta.uid == 4

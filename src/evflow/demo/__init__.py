@@ -4,6 +4,7 @@ from evflow.demo.analysis import (
     CandidateFilter,
     DimuonMass,
     FourLeptonMass,
+    KeepBranches,
     LeptonSelection,
     MassHistograms,
 )
@@ -16,6 +17,7 @@ __all__ = [
     "DimuonMass",
     "FourLeptonMass",
     "FourLeptonRefit",
+    "KeepBranches",
     "LeptonSelection",
     "MassHistograms",
     "ZMassFit",

@@ -204,3 +204,22 @@ class CandidateFilter(Module):
 
     def event(self, store: DataStore) -> bool | None:
         return not math.isnan(store["m_mumu"])
+
+
+class KeepBranches(Module):
+    """Drop every store entry not in ``keep`` (what the output writes).
+
+    At the end of the parallel part it saves the workers encoding, and the output
+    process decoding, ~30 intermediate arrays per event that nobody reads.
+    """
+
+    parallel = True
+    keep = Param((list, tuple), (), "store keys to keep")
+
+    def initialize(self) -> None:
+        self._keep = frozenset(self.keep)
+
+    def event(self, store: DataStore) -> bool | None:
+        for key in [k for k in store if k not in self._keep]:
+            del store[key]
+        return None

@@ -17,6 +17,7 @@ from evflow.demo.analysis import (
     CandidateFilter,
     DimuonMass,
     FourLeptonMass,
+    KeepBranches,
     LeptonSelection,
     MassHistograms,
 )
@@ -138,6 +139,7 @@ def build_path(input_file: str, output_file: str, progress_total: int | None = N
     path.add(FourLeptonRefit())
     path.add(MassHistograms())
     path.add(CandidateFilter())
+    path.add(KeepBranches(keep=OUTPUT_BRANCHES))  # in the workers: less to send and decode
     path.add(RootOutput(file=output_file, tree="events", branches=OUTPUT_BRANCHES))
     return path
 

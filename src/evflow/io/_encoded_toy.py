@@ -13,7 +13,7 @@ codec never produces different events, only slower ones).
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import msgpack
@@ -58,7 +58,7 @@ class ToyEncoder:
         self.window = window
         self.nbytes = int(gen.payload_bytes)
         self.block_np = gen._block
-        self.block = memoryview(gen._block).cast("B")
+        self.block = memoryview(gen._block.data).cast("B")
         self.salt = gen._salt
         self.inline = self.nbytes <= INLINE_MAX_BYTES
         dtype = dtype_str(np.dtype(np.uint8))
@@ -149,7 +149,7 @@ class ToyEncoder:
             n = p.shape[-1]
             rows[:, col : col + n] = p
             col += n
-        flat = memoryview(rows.reshape(-1))
+        flat = rows.reshape(-1).data
         heads = [flat[a : a + width] for a in range(0, k * width, width)]
         if self.inline:
             return [[head] for head in heads]
@@ -210,12 +210,14 @@ def encoded_toy_batches(
     if start >= n_events:
         return
     reference = encode_event(gen.make_event(start))
-    chunk = enc.chunk
+    chunk: Callable[[int, int], list[list[Any]]] = enc.chunk
     if not _same(chunk(start, start + 1)[0], reference) or not _same(enc.frames(start), reference):
         slow = _slow_frames(gen)  # the codec changed: stay correct, only slower
 
-        def chunk(first: int, stop: int) -> list[list[Any]]:
+        def slow_chunk(first: int, stop: int) -> list[list[Any]]:
             return [slow(p) for p in range(first, stop)]
+
+        chunk = slow_chunk
 
     position = start
     while position < n_events:

@@ -34,6 +34,11 @@ from evflow.wire.messages import BadMessageCounter, MsgType, encode_message
 #: confirm after this many events or this much time, whichever comes first
 CONFIRM_EVENTS = 4096
 CONFIRM_INTERVAL_S = 0.02
+#: a flush (fsync, a ROOT basket write) may cost milliseconds: the interval grows to
+#: this many times the last flush's cost so flushing stays a small share of the output's
+#: time, up to a cap that bounds how long the input's ledger holds written events
+FLUSH_COST_FACTOR = 20.0
+CONFIRM_INTERVAL_MAX_S = 0.25
 #: how long to wait for the final RESULT of workers that said GOODBYE
 RESULT_WAIT_S = 10.0
 EXIT_ERROR = 3
@@ -92,6 +97,7 @@ class _Output:
         self.pending: list[Any] = []  # uid arrays written, not yet flushed and confirmed
         self.pending_n = 0
         self.pending_since = 0.0
+        self.confirm_interval_s = CONFIRM_INTERVAL_S
         # --ordered: seq -> (frames or None when dropped, quarantined?, uid)
         self.reorder: dict[int, tuple[Any, bool, int]] = {}
         self.next_seq = 0
@@ -125,7 +131,7 @@ class _Output:
                 return 0
             if self.pending and (
                 self.pending_n >= CONFIRM_EVENTS
-                or time.monotonic() - self.pending_since >= CONFIRM_INTERVAL_S
+                or time.monotonic() - self.pending_since >= self.confirm_interval_s
             ):
                 self._confirm()
             if self.end is not None and self._results_complete():
@@ -237,8 +243,13 @@ class _Output:
         self.pending_n += len(uid_array)
 
     def _confirm(self) -> None:
+        t0 = time.monotonic()
         for w in self.writers:
             w.flush()
+        flush_s = time.monotonic() - t0
+        self.confirm_interval_s = min(
+            CONFIRM_INTERVAL_MAX_S, max(CONFIRM_INTERVAL_S, FLUSH_COST_FACTOR * flush_s)
+        )
         uids = np.concatenate(self.pending) if len(self.pending) > 1 else self.pending[0]
         message = encode_message(MsgType.CONFIRM, {"n": len(uids)}, [uids.tobytes()])
         self.back.send_multipart(message)

@@ -518,21 +518,6 @@ def test_z_fit_modules_pick_the_most_z_like_pair_and_refit_m4l() -> None:
     assert len(store["zfit_chi2"]) == 0 and len(store["zmu_pt"]) == 0
 
 
-def test_read_progress_draws_a_bar_of_the_events_read(capsys: pytest.CaptureFixture[str]) -> None:
-    from evflow.demo.runner import ReadProgress, build_path
-
-    bar = ReadProgress(total=5, interval_s=0.001)
-    bar.initialize()
-    for uid in range(5):
-        assert bar.event(DataStore(EventMeta(uid=uid), {})) is None
-    bar.terminate()
-    assert "5/5" in capsys.readouterr().err
-    # only a parallel run on a terminal gets it, right after the source (input process)
-    names = [m.name for m in build_path(hzz_path(), "x.root", progress_total=0).modules]
-    assert names[:2] == ["RootInput", "ReadProgress"]
-    assert "ReadProgress" not in [m.name for m in build_path(hzz_path(), "x.root").modules]
-
-
 def test_keep_branches_drops_what_the_output_does_not_write() -> None:
     from evflow.demo import KeepBranches
 

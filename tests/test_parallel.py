@@ -304,3 +304,19 @@ def test_path_without_parallel_module_runs_sequentially_with_a_note(tmp_path, ca
     summary = run_parallel(path, ProcessOptions(workers=2))
     assert summary.workers == 0 and summary.events_written == 10
     assert "running sequentially" in capsys.readouterr().err
+
+
+def test_parallel_run_draws_a_progress_bar_of_every_event(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    # the output process draws it (it learns every uid's fate), so capture at fd level
+    path = Path([ToyGenerator(n_events=300, payload_bytes=64), BusyWork(work_ms=0.0)])
+    summary = evflow.process(path, workers=2, progress=True)
+    assert summary.events_read == 300
+    err = capfd.readouterr().err
+    assert "300/300" in err, err[-500:]
+    quiet = evflow.process(
+        Path([ToyGenerator(n_events=50), BusyWork(work_ms=0.0)]), workers=2, quiet=True
+    )
+    assert quiet.events_read == 50
+    assert "/50" not in capfd.readouterr().err

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path as FsPath
 from typing import Any
@@ -24,8 +22,6 @@ from evflow.demo.analysis import (
 from evflow.demo.reco import FourLeptonRefit, ZMassFit
 from evflow.errors import InputError, OutputError
 from evflow.processing.api import process
-from evflow.processing.datastore import DataStore
-from evflow.processing.module import Module, Param
 from evflow.processing.path import Path
 from evflow.processing.summary import RunSummary
 
@@ -94,43 +90,12 @@ def hzz_path() -> str:
         ) from exc
 
 
-class ReadProgress(Module):
-    """A progress bar of the events read, drawn by the process that reads them.
-
-    The parallel processor draws no bar of its own yet, so a parallel demo puts this
-    (non-parallel) module right after the source: it runs in the input process, which
-    shares the terminal. The input runs at most a few batches ahead of the workers.
-    """
-
-    total = Param(int, 0, "events expected (0: unknown)")
-    interval_s = Param(float, 0.1, "seconds between redraws")
-
-    def initialize(self) -> None:
-        from evflow.monitor.console import ConsoleProgress
-
-        self._done = 0
-        self._bar = ConsoleProgress(self.total or None, True, self.interval_s).start()
-
-    def event(self, store: DataStore) -> bool | None:
-        self._done += 1
-        now = time.monotonic()
-        if self._bar.due(now):
-            self._bar.update(self._done, now)
-        return None
-
-    def terminate(self) -> None:
-        self._bar.stop(self._done)
-
-
-def build_path(input_file: str, output_file: str, progress_total: int | None = None) -> Path:
+def build_path(input_file: str, output_file: str) -> Path:
     """RootInput -> lepton selections -> masses -> Z fits -> histograms -> trigger -> output."""
     from evflow.io.root import RootInput, RootOutput
 
     path = Path()
-    source = path.add(RootInput(file=input_file, tree="events", branches=INPUT_BRANCHES))
-    if progress_total is not None:  # a parallel run on a terminal: see ReadProgress
-        total = source.total() if progress_total == 0 else min(progress_total, source.total())
-        path.add(ReadProgress(total=total))
+    path.add(RootInput(file=input_file, tree="events", branches=INPUT_BRANCHES))
     path.add(LeptonSelection(name="MuonSelection", flavour="muon", pt_min=5.0, eta_max=2.4))
     path.add(LeptonSelection(name="ElectronSelection", flavour="electron", pt_min=5.0, eta_max=2.5))
     path.add(DimuonMass())
@@ -171,9 +136,7 @@ def run_demo(
         ) from None
     selected = out / SELECTED
     n_workers = default_workers() if workers is None else workers
-    # the sequential processor draws its own progress bar; the parallel one not yet
-    bar = n_workers > 0 and not quiet and sys.stderr.isatty()
-    path = build_path(hzz_path(), str(selected), (max_events or 0) if bar else None)
+    path = build_path(hzz_path(), str(selected))
     import hist  # noqa: F401  (now, so that forked workers need not import it each)
 
     summary = process(path, max_events=max_events, workers=n_workers, quiet=quiet)

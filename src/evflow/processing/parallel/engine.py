@@ -81,6 +81,9 @@ class Parent:
             "on_event_error": str(extra.get("on_event_error", "retry")),
             "max_quarantined": int(extra.get("max_quarantined", 1000)),
             "quarantine_file": extra.get("quarantine_file"),
+            # the output draws the progress bar: it learns every uid's fate
+            "progress": options.show_progress(_isatty(sys.stderr)),
+            "progress_total": _progress_total(split, options.max_events),
         }
         # reliability: the input checkpoints next to the output; --resume continues there
         self.role_options.update(
@@ -459,6 +462,24 @@ def _role_order(name: str) -> tuple[int, str]:
     if name == "output":
         return (2, "")
     return (1, f"{name:>20}")
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # replaced or closed streams
+        return False
+
+
+def _progress_total(split: SplitPath, max_events: int | None) -> int | None:
+    """Events the run will read, when the source knows (for the progress bar's ETA)."""
+    from evflow.processing.module import Source
+
+    source = split.input[0] if split.input else None
+    total = source.total() if isinstance(source, Source) else None
+    if total is None:
+        return max_events
+    return total if max_events is None else min(total, max_events)
 
 
 def _outputs(split: SplitPath) -> list[str]:

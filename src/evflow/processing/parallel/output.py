@@ -21,6 +21,7 @@ import numpy as np
 import zmq
 
 from evflow.errors import EvflowError
+from evflow.monitor.console import ConsoleProgress
 from evflow.processing.chain import ModuleChain
 from evflow.processing.datastore import FLAG_QUARANTINED
 from evflow.processing.parallel.batching import from_u64, unpack_batch
@@ -108,6 +109,10 @@ class _Output:
         self.results: dict[str, list[Any]] = {}
         self.end: dict[str, Any] | None = None
         self.end_payload: list[Any] = []
+        # the output knows every uid's fate, so it draws the run's progress bar
+        self.progress = ConsoleProgress(
+            options.get("progress_total"), bool(options.get("progress"))
+        )
         self.end_at = 0.0
         self.abort = False
         self.bad = BadMessageCounter("output")
@@ -122,10 +127,15 @@ class _Output:
         poller = zmq.Poller()
         for s in (self.pull, self.back, self.ctl):
             poller.register(s, zmq.POLLIN)
+        self.progress.start()
         while True:
             for sock, _ in poller.poll(10 if self.pending else 50):
                 self._drain(sock)
+            now = time.monotonic()
+            if self.progress.due(now):
+                self.progress.update(self.events_done, now)
             if self.abort:
+                self.progress.stop(self.events_done)
                 self.chain.abort()  # terminate the writers: files closed, readable
                 self._report(aborted=True)
                 return 0
@@ -264,8 +274,14 @@ class _Output:
             return True
         return time.monotonic() - self.end_at > RESULT_WAIT_S
 
+    @property
+    def events_done(self) -> int:
+        """Events whose fate is known: written, dropped by a module or quarantined."""
+        return self.written + self.dropped + self.quarantined
+
     def _finish(self) -> None:
         assert self.end is not None
+        self.progress.stop(self.events_done)
         if self.pending:
             self._confirm()
         merged: dict[str, Any] = {}

@@ -127,6 +127,32 @@ def test_with_progress_a_batch_that_kills_is_isolated_and_others_spared() -> Non
     assert e2.failures == 0
 
 
+def test_a_culprit_from_the_scoreboard_overrides_a_lost_ready() -> None:
+    # the worker finished message 1 but its READY died with it: the READY guess would
+    # blame uid 1; the scoreboard says it died on uid 4 (in a batch): only 4 is charged
+    ledger, _ = make()
+    ledger.add_batch([(1, 0, ())], "w")
+    ledger.add_batch([(2, 1, ())], "w")
+    ledger.add_batch([(3, 2, ()), (4, 3, ()), (5, 4, ())], "w")
+    ledger.progress("w", n_events=0)
+    died = Failure.from_returncode(-11)
+    entries = {e.uid: e for e in ledger.requeue_worker("w", died, culprit_uid=4)}
+    assert [u for u, e in sorted(entries.items()) if e.failures] == [4]
+    assert "signal 11" in entries[4].reasons[0]
+    assert all(not entries[u].isolate and not entries[u].reasons for u in (1, 2, 3, 5))
+    assert all(e.state is EntryState.PENDING and e.attempt == 2 for e in entries.values())
+
+
+def test_a_worker_that_died_between_events_charges_nobody() -> None:
+    ledger, _ = make()
+    ledger.add_batch([(1, 0, ())], "w")
+    ledger.add_batch([(2, 1, ()), (3, 2, ())], "w")
+    ledger.progress("w", n_events=0)
+    entries = ledger.requeue_worker("w", Failure.from_returncode(-9), culprit_uid=-1)
+    assert len(entries) == 3 and all(e.failures == 0 and not e.isolate for e in entries)
+    assert ledger.statistics().failures == 0
+
+
 def test_poisoned_after_max_attempts_with_every_reason() -> None:
     ledger, _ = make(max_attempts=3)
     ledger.add(42, 0, "a", ())

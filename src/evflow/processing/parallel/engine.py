@@ -31,7 +31,7 @@ import zmq
 from evflow import errors
 from evflow.errors import ConfigurationError, EvflowError, ModuleError, PeerLostError
 from evflow.processing.options import ProcessOptions
-from evflow.processing.parallel import checkpoint, state
+from evflow.processing.parallel import checkpoint, scoreboard, state
 from evflow.processing.parallel.common import channel
 from evflow.processing.parallel.input import input_main
 from evflow.processing.parallel.output import output_main
@@ -118,6 +118,9 @@ class Parent:
     # --- life cycle ---------------------------------------------------------------------
     def run(self) -> RunSummary:
         state.set_current(self.split)
+        # exact blame: one slot per worker index, shared with every fork of the zygote
+        self.board = scoreboard.Scoreboard(self.n_workers)
+        scoreboard.install(self.board)
         restore = self._install_signals()
         zygote = Zygote().start()  # before any zmq context in this process
         ctx: zmq.Context[Any] | None = None
@@ -158,6 +161,8 @@ class Parent:
                 ctx.term()
             shutil.rmtree(runtime_base_dir() / self.session, ignore_errors=True)
             state.set_current(None)
+            scoreboard.install(None)
+            self.board.close()
             restore()
         if self.error is not None:
             raise self.error
@@ -325,8 +330,15 @@ class Parent:
         lost = {"name": name, "pid": pid, "code": code}
         if pid in self.timed_out:
             lost["reason"] = "timeout"
+        # the scoreboard says which event it died on (or that it was between events)
+        index = scoreboard.slot_of(name)
+        reading = self.board.read(index)
+        lost["blame"] = reading.state
+        if reading.state == scoreboard.BUSY:
+            lost["uid"] = reading.uid
+        self.board.clear(index)  # before the replacement exists: nobody else writes it
         self._send("input", MsgType.WORKER_LOST, lost)
-        self._spawn_worker(int(name.split("-")[1].split(".")[0]))
+        self._spawn_worker(index)
 
     def _restart_output(self, pid: int, code: int) -> bool:
         """Reliability: a dead output is forked again; it reopens its files, rebuilds the

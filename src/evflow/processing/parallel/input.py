@@ -286,9 +286,13 @@ class _Input:
                 failure = Failure.timeout(float(self.ledger.event_timeout_s or 0))
             else:
                 failure = Failure.from_returncode(int(msg.header.get("code", -9)))
-            self.requeue(str(msg.header["name"]), failure)
+            # the parent read the worker's scoreboard slot: busy on one event (charged
+            # alone), idle (nobody charged, -1), or unknown (the ledger's READY guess)
+            blame = msg.header.get("blame")
+            culprit = int(msg.header["uid"]) if blame == "busy" else -1 if blame == "idle" else None
+            self.requeue(str(msg.header["name"]), failure, culprit)
 
-    def requeue(self, name: str, failure: Failure) -> int:
+    def requeue(self, name: str, failure: Failure, culprit_uid: int | None = None) -> int:
         """Take back every unconfirmed event of the lost worker ``name``.
 
         Pending events are sent again (to other workers) with ``attempt + 1``;
@@ -299,7 +303,7 @@ class _Input:
         for ident, slot in list(self.workers.items()):
             if slot.name == name:
                 del self.workers[ident]
-        entries = self.ledger.requeue_worker(name, failure)
+        entries = self.ledger.requeue_worker(name, failure, culprit_uid)
         poisoned = [e for e in entries if e.poisoned]
         self.resend.extend(e for e in entries if not e.poisoned)
         if poisoned:

@@ -6,20 +6,24 @@ reference to its encoded frames (no copy); the output ``confirm``s uids in batch
 after it has written and flushed them. What is still in the ledger when a worker dies,
 times out or the output restarts is sent again with ``attempt + 1``.
 
-Blame. A worker holds up to ``event_buffer`` events, in several messages. When the
-caller reports finished work (``progress(worker, n_events=...)``, from the worker's
-READY credit) the ledger knows which message the worker was working on when it died:
-if that message held one event, the event is charged a failure; if it held several,
-they come back *isolated* (``isolate = True``: the input sends each alone to a worker
-holding nothing else, so that their next failure is charged exactly); the worker's
-other events come back uncharged. Without progress reports every event of a worker
-that held several is a suspect. A culprit named by the caller (``culprit_uid``) is
-charged alone. As a safety net every second death an event is a suspect in is
-charged, so a poison event is quarantined after ``2 * max_attempts`` deaths even if
-the isolation is not honoured. An event charged ``max_attempts`` failures is
-*poisoned*: it is not retried; the input sends it raw to the output to be written
-with ``FLAG_QUARANTINED`` and the reasons (``entry.reasons``). A Python exception in
-a module is charged to its event only (``fail``); the worker lives on.
+Blame. A worker holds up to ``event_buffer`` events, in several messages. A culprit
+named by the caller (``culprit_uid``: the engine reads it from the shared-memory
+scoreboard, which is exact) is charged alone and the worker's other events come back
+uncharged; a culprit the worker does not hold (``-1``: it died between events)
+charges nobody. Without a culprit (the scoreboard slot was unreadable) the ledger
+guesses: when the caller reports finished work (``progress(worker, n_events=...)``,
+from the worker's READY credit) it knows which message the worker was working on
+when it died: if that message held one event, the event is charged a failure; if it
+held several, they come back *isolated* (``isolate = True``: the input sends each
+alone to a worker holding nothing else, so that their next failure is charged
+exactly); the worker's other events come back uncharged. Without progress reports
+every event of a worker that held several is a suspect. As a safety net every second
+death an event is a suspect in is charged, so a poison event is quarantined after
+``2 * max_attempts`` deaths even if the isolation is not honoured. An event charged
+``max_attempts`` failures is *poisoned*: it is not retried; the input sends it raw to
+the output to be written with ``FLAG_QUARANTINED`` and the reasons
+(``entry.reasons``). A Python exception in a module is charged to its event only
+(``fail``); the worker lives on.
 
 Cost per event: one dict insert and one delete by uid, one append to the per-worker
 dict, and an amortised O(1) pop from a deque of send order for the checkpoint

@@ -33,6 +33,8 @@ from evflow.processing.parallel.common import channel, current_split, error_mess
 from evflow.processing.parallel.fastpath import fastpath_enabled
 from evflow.processing.parallel.lazystore import LazyEvent, untouched
 from evflow.processing.parallel.persist import encode_persistent
+from evflow.processing.parallel.scoreboard import current as current_scoreboard
+from evflow.processing.parallel.scoreboard import slot_of
 from evflow.wire.codec import encode_event
 from evflow.wire.messages import BadMessageCounter, MsgType, encode_message, hello_header
 
@@ -92,6 +94,17 @@ class _Worker:
         self.bad = BadMessageCounter(f"worker {name}")
         self.memory_limit_b = 0  # reliability: recycle the worker above this RSS (0: never)
         self.eager = not fastpath_enabled()  # EVFLOW_NO_FASTPATH: decode every event
+        # exact blame: the event in the modules is written to this worker's scoreboard
+        # slot, so the parent knows which one it died on (a fresh worker starts idle)
+        self.board = current_scoreboard()
+        try:
+            self.slot = slot_of(name)
+        except (IndexError, ValueError):  # not named by the engine: no slot, READY blame
+            self.board, self.slot = None, -1
+        if self.board is not None and not 0 <= self.slot < self.board.n_slots:
+            self.board = None
+        if self.board is not None:
+            self.board.clear(self.slot)
 
     def run(self) -> int:
         hello = hello_header(pid=os.getpid(), name=self.name)
@@ -123,6 +136,8 @@ class _Worker:
         failed: list[dict[str, Any]] = []
         chain = self.chain
         current = chain.run
+        board, slot = self.board, self.slot
+        bid = header["b"] if type(header["b"]) is int and -(2**63) <= header["b"] < 2**63 else -1
         t0 = time.perf_counter()
         for i, frames in enumerate(events):
             store = LazyEvent(frames)  # objects are decoded when a module asks
@@ -135,11 +150,16 @@ class _Worker:
             if current is None or current.run != meta.run or current.experiment != meta.experiment:
                 chain.switch_run(meta.experiment, meta.run)
                 current = chain.run
+            if board is not None:
+                board.begin(slot, meta.uid, bid)
             try:
                 keep = chain.event(store)
             except ModuleError as exc:
                 failed.append(_failure(i, exc))  # this event failed, not the worker
                 continue
+            finally:
+                if board is not None:
+                    board.clear(slot)
             if keep:
                 kept_mask[i] = 1
                 if fresh and meta.flags == flags and untouched(store):

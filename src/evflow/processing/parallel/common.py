@@ -11,11 +11,12 @@ A run's sockets are ipc files in the session directory, one name per channel:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 
-from evflow.errors import ModuleError
+from evflow.errors import EvflowError, ModuleError
 from evflow.processing.datastore import RunMeta
 from evflow.processing.parallel.split import SplitPath
 from evflow.transport.channel import Channel, ChannelConfig, open_channel
@@ -64,6 +65,41 @@ def error_message(role: str, exc: BaseException) -> list[Any]:
             traceback=exc.traceback_text,
         )
     return encode_message(MsgType.STATE, header)
+
+
+#: exit code of a role that reported an error to the parent
+EXIT_ERROR = 3
+
+
+def run_role(
+    role: str,
+    body: Callable[[zmq.Context[Any], list[Channel]], int],
+    on_error: Callable[[], None] | None = None,
+) -> int:
+    """Run a forked role's ``body`` in its own zmq context; return its exit code.
+
+    ``body`` opens its channels into the list it is given, the ctl channel first. An
+    EvflowError becomes one STATE ERROR message to the parent on ctl (after
+    ``on_error``, e.g. closing writers) and exit code EXIT_ERROR; every channel and
+    the context are closed whatever happens.
+    """
+    ctx = zmq.Context()
+    channels: list[Channel] = []
+    try:
+        return body(ctx, channels)
+    except EvflowError as exc:
+        if on_error is not None:
+            on_error()
+        if not channels:
+            raise  # no ctl to report on: the zygote reports the exit and traceback
+        ctl = channels[0].socket
+        ctl.send_multipart(error_message(role, exc))
+        ctl.linger = 2000  # the parent must hear why
+        return EXIT_ERROR
+    finally:
+        for ch in channels:
+            ch.close(linger_ms=ch.socket.linger)
+        ctx.term()
 
 
 def current_split() -> SplitPath:

@@ -37,7 +37,7 @@ from evflow.processing.parallel.batching import (
     u64,
 )
 from evflow.processing.parallel.checkpoint import CheckpointFile, CheckpointWriter
-from evflow.processing.parallel.common import channel, current_split, error_message
+from evflow.processing.parallel.common import channel, current_split, run_role
 from evflow.processing.parallel.fastpath import encoded_source, read_encoded
 from evflow.processing.parallel.ledger import Failure, Ledger, LedgerEntry
 from evflow.processing.parallel.persist import encode_persistent
@@ -49,8 +49,6 @@ from evflow.wire.messages import (
     decode_message,
     encode_message,
 )
-
-EXIT_ERROR = 3
 
 
 class Batch:
@@ -83,21 +81,13 @@ class _Slot:
 def input_main(session: str, options: dict[str, Any]) -> int:
     """Entry point in the forked input process; returns the exit code."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent relays interrupts
-    ctx = zmq.Context()
-    channels: list[Any] = []
-    try:
+
+    def body(ctx: zmq.Context[Any], channels: list[Any]) -> int:
         role = _Input(ctx, session, options, channels)
         signal.signal(signal.SIGTERM, role.on_term)
         return role.run()
-    except EvflowError as exc:
-        ctl = channels[0].socket
-        ctl.send_multipart(error_message("input", exc))
-        ctl.linger = 2000
-        return EXIT_ERROR
-    finally:
-        for ch in channels:
-            ch.close(linger_ms=ch.socket.linger)
-        ctx.term()
+
+    return run_role("input", body)
 
 
 class _Input:

@@ -20,13 +20,17 @@ from typing import Any
 import numpy as np
 import zmq
 
-from evflow.errors import EvflowError
 from evflow.monitor.console import ConsoleProgress
 from evflow.processing.chain import ModuleChain
 from evflow.processing.datastore import FLAG_QUARANTINED
 from evflow.processing.parallel.batching import from_u64, unpack_batch
 from evflow.processing.parallel.checkpoint import open_writers_for_append
-from evflow.processing.parallel.common import channel, current_split, error_message, run_of
+from evflow.processing.parallel.common import (
+    channel,
+    current_split,
+    run_of,
+    run_role,
+)
 from evflow.processing.parallel.dedup import WrittenUids
 from evflow.processing.parallel.persist import decode_persistent, encode_persistent, merge_into
 from evflow.wire.codec import decode_event, peek_meta, with_meta
@@ -42,30 +46,23 @@ FLUSH_COST_FACTOR = 20.0
 CONFIRM_INTERVAL_MAX_S = 0.25
 #: how long to wait for the final RESULT of workers that said GOODBYE
 RESULT_WAIT_S = 10.0
-EXIT_ERROR = 3
 
 
 def output_main(session: str, options: dict[str, Any]) -> int:
     """Entry point in the forked output process; returns the exit code."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent relays interrupts
-    ctx = zmq.Context()
-    channels: list[Any] = []
-    role: _Output | None = None
-    try:
-        role = _Output(ctx, session, options, channels)
-        signal.signal(signal.SIGTERM, role.on_term)
-        return role.run()
-    except EvflowError as exc:
-        if role is not None:
+    roles: list[_Output] = []
+
+    def body(ctx: zmq.Context[Any], channels: list[Any]) -> int:
+        roles.append(_Output(ctx, session, options, channels))
+        signal.signal(signal.SIGTERM, roles[0].on_term)
+        return roles[0].run()
+
+    def close_writers() -> None:
+        for role in roles:
             role.chain.abort()  # writers closed: what was written stays readable
-        ctl = channels[0].socket
-        ctl.send_multipart(error_message("output", exc))
-        ctl.linger = 2000
-        return EXIT_ERROR
-    finally:
-        for ch in channels:
-            ch.close(linger_ms=ch.socket.linger)
-        ctx.term()
+
+    return run_role("output", body, close_writers)
 
 
 class _Output:

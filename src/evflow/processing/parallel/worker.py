@@ -20,7 +20,7 @@ from typing import Any
 
 import zmq
 
-from evflow.errors import EvflowError, ModuleError
+from evflow.errors import ModuleError
 from evflow.processing.chain import ModuleChain
 from evflow.processing.parallel.batching import (
     ZERO_COPY_MIN_B,
@@ -29,7 +29,12 @@ from evflow.processing.parallel.batching import (
     pack_batch,
     unpack_batch,
 )
-from evflow.processing.parallel.common import channel, current_split, error_message, run_of
+from evflow.processing.parallel.common import (
+    channel,
+    current_split,
+    run_of,
+    run_role,
+)
 from evflow.processing.parallel.fastpath import fastpath_enabled
 from evflow.processing.parallel.lazystore import LazyEvent, untouched
 from evflow.processing.parallel.persist import encode_persistent
@@ -38,8 +43,6 @@ from evflow.processing.parallel.scoreboard import slot_of
 from evflow.wire.codec import encode_event
 from evflow.wire.messages import BadMessageCounter, MsgType, encode_message, hello_header
 
-#: exit code of a worker whose path failed (the parent shows the error it sent)
-EXIT_ERROR = 3
 #: exit code of a worker that ended early because its RSS passed the memory limit
 EXIT_RECYCLE = 75
 
@@ -48,24 +51,18 @@ def worker_main(session: str, name: str, event_buffer: int, memory_limit_mb: flo
     """Entry point in a forked worker process; returns the exit code."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent drives the shutdown
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # "stop at once" means exactly that
-    ctx = zmq.Context()
-    ctl = channel(ctx, session, "ctl", "dealer", "connect")
-    channels = [ctl]
-    try:
+
+    def body(ctx: zmq.Context[Any], channels: list[Any]) -> int:
+        ctl = channel(ctx, session, "ctl", "dealer", "connect")
+        channels.append(ctl)
         ctl.socket.send_multipart(
             encode_message(MsgType.HELLO, {"role": "worker", "name": name, "pid": os.getpid()})
         )
         worker = _Worker(ctx, session, name, event_buffer, ctl.socket, channels)
         worker.memory_limit_b = int(memory_limit_mb * 1024 * 1024)
         return worker.run()
-    except EvflowError as exc:
-        ctl.socket.send_multipart(error_message(name, exc))
-        ctl.socket.linger = 2000
-        return EXIT_ERROR
-    finally:
-        for ch in channels:
-            ch.close(linger_ms=ch.socket.linger)
-        ctx.term()
+
+    return run_role(name, body)
 
 
 class _Worker:

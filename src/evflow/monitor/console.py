@@ -12,7 +12,7 @@ import time
 from types import TracebackType
 from typing import IO, Any
 
-__all__ = ["ConsoleProgress"]
+__all__ = ["ConsoleProgress", "is_terminal"]
 
 
 class ConsoleProgress:
@@ -103,3 +103,11 @@ class ConsoleProgress:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def is_terminal(stream: Any) -> bool:
+    """Whether ``stream`` is a terminal; False for replaced or closed streams."""
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False

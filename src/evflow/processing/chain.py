@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from evflow.errors import EvflowError, ModuleError
@@ -155,6 +155,17 @@ def is_writer(module: Module) -> bool:
     except ImportError:  # the I/O layer may be missing from a stripped install
         pass
     return all(callable(getattr(module, name, None)) for name in ("flush", "close", "write_raw"))
+
+
+def output_files(modules: Iterable[Module]) -> list[str]:
+    """The files the writers among ``modules`` write (their ``file`` parameter)."""
+    files = []
+    for module in modules:
+        if is_writer(module):
+            value = module.params.get("file") or getattr(module, "file", None)
+            if value:
+                files.append(str(value))
+    return files
 
 
 def user_traceback(exc: BaseException) -> str:

@@ -16,8 +16,8 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from evflow.errors import ConfigurationError, EvflowError, ModuleError
-from evflow.monitor.console import ConsoleProgress
-from evflow.processing.chain import ModuleChain, is_writer, user_traceback
+from evflow.monitor.console import ConsoleProgress, is_terminal
+from evflow.processing.chain import ModuleChain, output_files, user_traceback
 from evflow.processing.options import ProcessOptions
 from evflow.processing.path import Path
 from evflow.processing.summary import RunSummary
@@ -41,7 +41,7 @@ def run_sequential(path: Path, options: ProcessOptions | None = None) -> RunSumm
         total = options.max_events if total is None else min(total, options.max_events)
     progress = ConsoleProgress(
         total,
-        enabled=options.show_progress(_isatty(sys.stderr)),
+        enabled=options.show_progress(is_terminal(sys.stderr)),
         interval_s=options.progress_interval_s,
     )
     read = written = 0
@@ -68,7 +68,7 @@ def run_sequential(path: Path, options: ProcessOptions | None = None) -> RunSumm
         workers=0,
         modules=tuple(stats),
         persistent=chain.persistent,
-        outputs=tuple(_output_files(chain)),
+        outputs=tuple(output_files(chain.modules)),
         interrupted=bool(stop.signum),
         counters={"signal": stop.signum} if stop.signum else {},
     )
@@ -159,20 +159,3 @@ def raise_for_signal(signum: int) -> None:
     if signum == signal.SIGTERM:
         raise SystemExit(128 + signal.SIGTERM)
     raise KeyboardInterrupt
-
-
-def _output_files(chain: ModuleChain) -> list[str]:
-    files = []
-    for module in chain.modules:
-        if is_writer(module):
-            value = module.params.get("file") or getattr(module, "file", None)
-            if value:
-                files.append(str(value))
-    return files
-
-
-def _isatty(stream: Any) -> bool:
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError):
-        return False

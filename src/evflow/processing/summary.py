@@ -7,6 +7,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from evflow.monitor.console import is_terminal
 from evflow.processing.statistics import ModuleStatistics, merge_statistics, processes_of
 
 
@@ -51,7 +52,7 @@ class RunSummary:
         from rich.console import Console
 
         stream = file if file is not None else sys.stdout
-        if width is None and not _isatty(stream):
+        if width is None and not is_terminal(stream):
             width = (
                 1000  # logs and pipes: never squeeze columns (tables are only as wide as needed)
             )
@@ -134,10 +135,3 @@ class RunSummary:
             *([""] * len(processes) if per_process else []),
         )
         return table
-
-
-def _isatty(stream: IO[str]) -> bool:
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError):
-        return False

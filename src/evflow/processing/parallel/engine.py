@@ -30,6 +30,8 @@ import zmq
 
 from evflow import errors
 from evflow.errors import ConfigurationError, EvflowError, ModuleError, PeerLostError
+from evflow.monitor.console import is_terminal
+from evflow.processing.chain import output_files
 from evflow.processing.options import ProcessOptions
 from evflow.processing.parallel import checkpoint, scoreboard, state
 from evflow.processing.parallel.common import channel
@@ -82,13 +84,15 @@ class Parent:
             "max_quarantined": int(extra.get("max_quarantined", 1000)),
             "quarantine_file": extra.get("quarantine_file"),
             # the output draws the progress bar: it learns every uid's fate
-            "progress": options.show_progress(_isatty(sys.stderr)),
+            "progress": options.show_progress(is_terminal(sys.stderr)),
             "progress_total": _progress_total(split, options.max_events),
         }
         # reliability: the input checkpoints next to the output; --resume continues there
         self.role_options.update(
             checkpoint.plan(
-                _outputs(split), options.resume, float(extra.get("checkpoint_interval_s", 2.0))
+                output_files(split.output),
+                options.resume,
+                float(extra.get("checkpoint_interval_s", 2.0)),
             )
         )
         self.timed_out: set[int] = set()  # worker pids killed for a timeout
@@ -460,7 +464,7 @@ class Parent:
             modules=tuple(rows),
             persistent=persistent,
             counters=counters,
-            outputs=tuple(_outputs(self.split)),
+            outputs=tuple(output_files(self.split.output)),
             interrupted=bool(self.signals),
             quarantined=tuple(
                 (int(u), str(r)) for u, r in out_header.get("quarantine_reasons", [])
@@ -476,13 +480,6 @@ def _role_order(name: str) -> tuple[int, str]:
     return (1, f"{name:>20}")
 
 
-def _isatty(stream: Any) -> bool:
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError):  # replaced or closed streams
-        return False
-
-
 def _progress_total(split: SplitPath, max_events: int | None) -> int | None:
     """Events the run will read, when the source knows (for the progress bar's ETA)."""
     from evflow.processing.module import Source
@@ -492,18 +489,6 @@ def _progress_total(split: SplitPath, max_events: int | None) -> int | None:
     if total is None:
         return max_events
     return total if max_events is None else min(total, max_events)
-
-
-def _outputs(split: SplitPath) -> list[str]:
-    from evflow.processing.chain import is_writer
-
-    files = []
-    for module in split.output:
-        if is_writer(module):
-            value = module.params.get("file") or getattr(module, "file", None)
-            if value:
-                files.append(str(value))
-    return files
 
 
 def _rebuild_error(header: dict[str, Any]) -> EvflowError:

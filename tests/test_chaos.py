@@ -26,7 +26,7 @@ from evflow import DataStore, Module, Param, Path
 from evflow.errors import CheckpointError
 from evflow.io.generators import BusyWork, ToyGenerator
 from evflow.io.records import RecordOutput, RecordReader, decode_record
-from evflow.processing.datastore import FLAG_QUARANTINED
+from evflow.processing.datastore import FLAG_QUARANTINED, QUARANTINE_REASON
 from evflow.processing.faults import FaultInjector, roll
 from evflow.processing.parallel.checkpoint import CheckpointFile
 
@@ -53,6 +53,17 @@ def assert_exactly_once(file: FsPath, n: int) -> dict[int, list[int]]:
 
 def quarantined(flags: dict[int, list[int]]) -> set[int]:
     return {u for u, f in flags.items() if f[0] & FLAG_QUARANTINED}
+
+
+def reasons_in_file(file: FsPath) -> dict[int, str]:
+    """uid -> the quarantine reason stored with each quarantined event in the file."""
+    out = {}
+    with RecordReader(str(file)) as reader:
+        for record in reader:
+            store = decode_record(str(file), record)
+            if store.meta.flags & FLAG_QUARANTINED:
+                out[store.meta.uid] = store[QUARANTINE_REASON]
+    return out
 
 
 class WorkerKiller(threading.Thread):
@@ -237,6 +248,7 @@ def test_module_exception_is_retried_then_quarantined_with_its_reason(tmp_path: 
     ((uid, reason),) = summary.quarantined
     assert uid == 77 and reason.count("'broken' raised in event()") == 3
     assert "InjectedFault" in reason and summary.counters["event failures"] == 2 + 2 + 3
+    assert reasons_in_file(out) == {77: reason}  # the file alone says why it is raw
     assert summary.counters["workers lost"] == 0  # exceptions do not cost workers
 
 
@@ -259,6 +271,7 @@ def test_poison_segfault_is_quarantined_after_max_attempts(tmp_path: FsPath) -> 
     assert summary.counters["event failures"] == 2 * 2
     reasons = dict(summary.quarantined)
     assert all(reasons[u].count("signal 11 (SIGSEGV)") == 2 for u in (3, 333)), reasons
+    assert reasons_in_file(out) == reasons
 
 
 def test_a_path_that_crashes_on_every_event_stops_with_a_clear_message(

@@ -40,6 +40,7 @@ from evflow.wire.codec import (
     split_batch,
     unpack_frames,
     with_meta,
+    with_value,
 )
 
 U64 = 2**64 - 1
@@ -620,3 +621,23 @@ def test_codec_version_1_fixture_files_still_decode() -> None:
     assert len(batch) == 2
     for got, uid in zip(batch, (1, 2), strict=True):
         assert_same_store(got, fixture_store(uid))
+
+
+def test_with_value_adds_a_plain_object_and_keeps_the_buffers() -> None:
+    store = DataStore(EventMeta(5), {"big": np.arange(100_000.0), "n": 3})
+    frames = encode_event(store)
+    noted = with_value(frames, "why", "signal 11")
+    back = decode_event(noted)
+    assert back["why"] == "signal 11" and back["n"] == 3
+    assert same_array(back["big"], store["big"]) and noted[1] is frames[1]
+    again = decode_event(with_value(noted, "why", "timeout"))
+    assert again["why"] == "timeout" and list(again) == ["big", "n", "why"]
+
+
+def test_with_value_refuses_arrays_and_batches() -> None:
+    frames = encode_event(DataStore(EventMeta(5), {"n": 3}))
+    with pytest.raises(CodecError, match="number, string or bytes"):
+        with_value(frames, "a", [1, 2])
+    batch = encode_batch([DataStore(EventMeta(1)), DataStore(EventMeta(2))])
+    with pytest.raises(CodecError):
+        with_value(batch, "why", "x")

@@ -9,6 +9,8 @@ from typing import Any
 # EventMeta.flags bits
 FLAG_QUARANTINED = 1 << 0  # written raw after max_attempts failures
 FLAG_DROPPED = 1 << 1  # a module returned False (a trigger decision)
+#: the object a quarantined event carries in the output: why it was quarantined
+QUARANTINE_REASON = "evflow_quarantine_reason"
 
 
 @dataclass(slots=True)

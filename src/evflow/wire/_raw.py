@@ -20,6 +20,7 @@ from evflow.wire._header import (
     META,
     META_END,
     META_START,
+    T_VALUE,
     Frame,
     batch_parts,
     guarded,
@@ -39,6 +40,7 @@ __all__ = [
     "split_batch",
     "unpack_frames",
     "with_meta",
+    "with_value",
 ]
 
 
@@ -121,6 +123,24 @@ def with_meta(frames: Sequence[Any], meta: EventMeta) -> list[Any]:
     head = memoryview(frames[0])
     new_head = b"".join((head[:META_START], meta_bytes(meta), head[META_END:]))
     return [new_head, *frames[1:]]
+
+
+@guarded
+def with_value(frames: Sequence[Any], name: str, value: Any) -> list[Any]:
+    """A copy of an encoded event's frames with one more plain object ``name = value``.
+
+    Only the header frame is rewritten (buffer frames are reused), so an event that
+    crashed every worker can be annotated, e.g. with why it was quarantined, without
+    decoding its arrays. ``value`` is a number, string or bytes; an existing object of
+    that name is replaced.
+    """
+    _single_meta(frames, "with_value")
+    if type(value) not in (int, float, str, bytes, bool):
+        raise CodecError(f"with_value: {name!r} must be a number, string or bytes")
+    header = unpack_header(frames)
+    entries = [e for e in header[3] if not (type(e) is list and e and e[0] == name)]
+    entries.append((name, T_VALUE, value))
+    return [packb((header[0], header[1], header[2], entries)), *frames[1:]]
 
 
 # --- one contiguous buffer -------------------------------------------------------------

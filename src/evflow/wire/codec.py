@@ -68,6 +68,7 @@ from evflow.wire._raw import (
     split_batch,
     unpack_frames,
     with_meta,
+    with_value,
 )
 
 __all__ = [
@@ -88,6 +89,7 @@ __all__ = [
     "split_batch",
     "unpack_frames",
     "with_meta",
+    "with_value",
 ]
 
 # An awkward array may declare at most 8 elements per buffer byte (bit-masks) plus this

@@ -22,7 +22,7 @@ import zmq
 
 from evflow.monitor.console import ConsoleProgress
 from evflow.processing.chain import ModuleChain
-from evflow.processing.datastore import FLAG_QUARANTINED
+from evflow.processing.datastore import FLAG_QUARANTINED, QUARANTINE_REASON
 from evflow.processing.parallel.batching import from_u64, unpack_batch
 from evflow.processing.parallel.checkpoint import open_writers_for_append
 from evflow.processing.parallel.common import (
@@ -33,7 +33,7 @@ from evflow.processing.parallel.common import (
 )
 from evflow.processing.parallel.dedup import WrittenUids
 from evflow.processing.parallel.persist import decode_persistent, encode_persistent, merge_into
-from evflow.wire.codec import decode_event, peek_meta, with_meta
+from evflow.wire.codec import decode_event, peek_meta, with_meta, with_value
 from evflow.wire.messages import BadMessageCounter, MsgType, encode_message
 
 #: confirm after this many events or this much time, whichever comes first
@@ -196,7 +196,7 @@ class _Output:
             elif frames is None:
                 self.dropped += 1
             elif reasons is not None:
-                self._write_raw(frames)
+                self._write_raw(frames, str(reasons[i]))
             elif self.no_modules:
                 self.written += 1  # nothing in the output path reads it: no decoding
             else:
@@ -219,10 +219,11 @@ class _Output:
         else:
             self.dropped += 1
 
-    def _write_raw(self, frames: Any) -> None:
+    def _write_raw(self, frames: Any, reason: str) -> None:
         meta = peek_meta(frames)
         meta.flags |= FLAG_QUARANTINED
-        frames = with_meta(frames, meta)
+        # the reason travels with the event, so the file alone says why it is raw
+        frames = with_value(with_meta(frames, meta), QUARANTINE_REASON, reason)
         for w in self.raw_writers:
             w.write_raw(meta, frames)
         self.quarantined += 1
@@ -236,7 +237,7 @@ class _Output:
             if frames is None:
                 self.dropped += 1
             elif raw:
-                self._write_raw(frames)
+                self._write_raw(frames, self.quarantine_reasons.get(uid, "unknown"))
             else:
                 self._write(frames)
             done.append(uid)

@@ -37,6 +37,7 @@ from evflow.wire.codec import (
     pack_frames,
     peek_meta,
     peek_metas,
+    peek_metas_at,
     split_batch,
     unpack_frames,
     with_meta,
@@ -641,3 +642,28 @@ def test_with_value_refuses_arrays_and_batches() -> None:
     batch = encode_batch([DataStore(EventMeta(1)), DataStore(EventMeta(2))])
     with pytest.raises(CodecError):
         with_value(batch, "why", "x")
+
+
+def test_peek_metas_at_reads_the_metas_of_packed_headers() -> None:
+    metas = [
+        EventMeta(uid=2**64 - 1 - i, experiment=3, run=-4, event=i, attempt=2) for i in range(5)
+    ]
+    heads = [bytes(encode_event(DataStore(m, {"x": i}))[0]) for i, m in enumerate(metas)]
+    filler = b"\x00" * 7  # headers need not be adjacent
+    blob = b"".join(h + filler for h in heads)
+    lengths = np.array([len(h) for h in heads])
+    offsets = np.cumsum(lengths + len(filler)) - lengths - len(filler)
+    assert peek_metas_at(memoryview(blob), offsets, lengths) == metas
+    assert peek_metas_at(blob, offsets[:0], lengths[:0]) == []
+
+
+def test_peek_metas_at_names_the_first_bad_header() -> None:
+    head = bytes(encode_event(DataStore(EventMeta(1)))[0])
+    blob = head + b"\x95" + head[1:] + head
+    n = len(head)
+    with pytest.raises(CodecError, match="event 1 of the batch: not a single-event header"):
+        peek_metas_at(blob, np.array([0, n, 2 * n]), np.array([n, n, n]))
+    with pytest.raises(CodecError, match="too short or out of range"):
+        peek_metas_at(blob, np.array([0, 3 * n]), np.array([n, n]))
+    with pytest.raises(CodecError, match="event 1 of the batch: header frame too short"):
+        peek_metas_at(blob, np.array([0, n]), np.array([n, 10]))

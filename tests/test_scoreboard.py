@@ -7,9 +7,17 @@ import signal
 import struct
 import time
 
+import numpy as np
 import pytest
 
-from evflow.processing.parallel.scoreboard import BUSY, IDLE, UNKNOWN, Scoreboard, slot_of
+from evflow.processing.parallel.scoreboard import (
+    BUSY,
+    CAPACITY,
+    IDLE,
+    UNKNOWN,
+    Scoreboard,
+    slot_of,
+)
 
 
 def _fork(child) -> int:  # type: ignore[no-untyped-def]
@@ -56,14 +64,45 @@ def test_a_child_killed_between_events_leaves_its_slot_idle() -> None:
 def test_a_torn_or_zeroed_slot_reads_unknown_never_a_wrong_uid() -> None:
     board = Scoreboard(2)
     board.begin(0, 42, 3)
-    # a SIGKILL between two stores: the uid changed, the check not
-    struct.pack_into("<Q", board._view, 8, 43)
+    # a SIGKILL between two stores of the batch header: the batch changed, the check not
+    struct.pack_into("<Q", board._bytes, 8, 4)
     assert board.read(0).state == UNKNOWN
-    board._view[16:32] = bytes(16)
+    board.begin(0, 42, 3)
+    struct.pack_into("<Q", board._bytes, 0, 2)  # a cursor past the batch's events
     assert board.read(0).state == UNKNOWN
-    board._view[:32] = bytes(32)  # never written
+    board._bytes[:32] = bytes(32)  # never written
     assert board.read(0).state == UNKNOWN
     assert board.read(5).state == UNKNOWN and board.read(-1).state == UNKNOWN
+    board.close()
+
+
+def test_a_child_killed_in_the_middle_of_a_batch_names_that_event() -> None:
+    board = Scoreboard(3)
+    uids = np.array([7, 2**64 - 1, 99], dtype=np.uint64)
+
+    def child() -> None:
+        assert board.begin_batch(1, uids.tobytes(), 12)
+        words, at = board.cursor(1)
+        words[at] = 1  # event 0 in the modules ...
+        words[at] = 0  # ... and done
+        board.enter(1, 1)  # event 1 in the modules when the kill comes
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    _fork(child)
+    reading = board.read(1)
+    assert (reading.state, reading.uid, reading.batch) == (BUSY, 2**64 - 1, 12)
+    board.clear(1)
+    assert board.read(1).state == IDLE
+    board.close()
+
+
+def test_a_batch_above_capacity_falls_back_to_one_event_at_a_time() -> None:
+    board = Scoreboard(1)
+    too_many = np.arange(CAPACITY + 1, dtype=np.uint64).tobytes()
+    assert not board.begin_batch(0, too_many, 5)
+    assert board.read(0).state == IDLE  # nothing in the modules yet
+    board.begin(0, 1000, 5)
+    assert (board.read(0).state, board.read(0).uid) == (BUSY, 1000)
     board.close()
 
 

@@ -22,6 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from evflow.processing.datastore import EventMeta
+from evflow.wire.codec import peek_meta, peek_metas_at
+
 #: events whose encoded size is below this travel packed in batches (bytes)
 PACK_LIMIT_B = 64 * 1024
 #: aim for batches of about this many bytes ...
@@ -81,6 +84,22 @@ def unpack_batch(header: dict[str, Any], payload: Sequence[Any]) -> list[list[An
         out.append(frames[i : i + c])
         i += c
     return out
+
+
+def unpack_batch_metas(
+    header: dict[str, Any], payload: Sequence[Any]
+) -> tuple[list[list[Any]], list[EventMeta]]:
+    """:func:`unpack_batch` plus every event's meta (read in one pass for packed batches)."""
+    events = unpack_batch(header, payload)
+    if not events:
+        return events, []
+    if not header["p"]:
+        return events, [peek_meta(frames) for frames in events]
+    counts = np.frombuffer(header["n"], dtype=np.uint16)
+    lengths = np.frombuffer(header["l"], dtype=np.uint32).astype(np.intp)
+    starts = np.cumsum(lengths) - lengths
+    heads = np.cumsum(counts, dtype=np.intp) - counts  # each event's first frame
+    return events, peek_metas_at(payload[0], starts[heads], lengths[heads])
 
 
 def u64(values: Sequence[int] | np.ndarray) -> bytes:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from evflow.processing.datastore import DataStore
+from evflow.processing.datastore import DataStore, EventMeta
 from evflow.wire.codec import decode_event, peek_meta
 
 
@@ -25,8 +25,9 @@ class LazyEvent(DataStore):
 
     __slots__ = ("_before", "_frames")
 
-    def __init__(self, frames: Sequence[Any]) -> None:
-        self.meta = peek_meta(frames)
+    def __init__(self, frames: Sequence[Any], meta: EventMeta | None = None) -> None:
+        # the worker passes the meta it read for the whole batch at once
+        self.meta = peek_meta(frames) if meta is None else meta
         self.persistent = {}
         self._frames: Sequence[Any] | None = frames
         self._objects = None  # type: ignore[assignment]

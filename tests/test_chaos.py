@@ -506,3 +506,4 @@ def test_quarantined_events_can_go_to_a_separate_file(tmp_path: FsPath) -> None:
     assert set(main) == set(range(300)) - {5, 250}
     assert set(quarantine) == {5, 250} == quarantined(quarantine)
     assert summary.events_quarantined == 2
+    assert reasons_in_file(qfile) == dict(summary.quarantined)

@@ -61,6 +61,7 @@ class MsgType(IntEnum):
     GOODBYE = 15
     HEARTBEAT = 16
     ACK = 17  # generic acknowledgement (e.g. of END or GOODBYE)
+    ORDER = 18  # input -> output, --ordered: {"seq": n, "done": [...]} where the order goes on
 
 
 # Type byte -> MsgType, built once (members are added only at import time).

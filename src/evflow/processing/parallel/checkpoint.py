@@ -9,7 +9,9 @@ content catches a file damaged some other way.
 File format (version 1): one JSON object
 ``{"format": "evflow-checkpoint", "version": 1, "run_id": str, "position": int,
 "counts": {str: int}, "written_unix_s": float, "crc32": int}`` where ``crc32`` covers
-the canonical JSON (sorted keys, no spaces) of every other field.
+the canonical JSON (sorted keys, no spaces) of every other field. An ``--ordered`` run
+adds ``counts["seq"]``: the input sequence number of the event at ``position`` (a
+restarted or resumed input numbers its events from there, as the output expects).
 """
 
 from __future__ import annotations
@@ -190,6 +192,10 @@ class CheckpointWriter:
         self._last_position: int | None = None
         self.writes = 0
 
+    def due(self) -> bool:
+        """True when ``interval_s`` has passed: the caller may compute the position now."""
+        return self._clock() >= self._next_s
+
     def maybe_write(self, position: int, counts: Mapping[str, int] | None = None) -> bool:
         """Write if ``interval_s`` passed since the last write and ``position`` moved."""
         now = self._clock()
@@ -229,9 +235,9 @@ def plan(output_files: list[str], resume: bool, interval_s: float = 2.0) -> dict
                 "--resume needs an output file (a writer with a 'file' parameter): "
                 "the checkpoint and the events already written are found through it"
             )
-        return {"checkpoint": None, "resume": False, "start_position": 0}
+        return {"checkpoint": None, "resume": False, "start_position": 0, "start_seq": 0}
     path = checkpoint_path_for(output_files[0])
-    start = 0
+    start = seq = 0
     if resume:
         cp = CheckpointFile(path).load()
         if cp is None:
@@ -242,10 +248,12 @@ def plan(output_files: list[str], resume: bool, interval_s: float = 2.0) -> dict
             start = 0  # stopped before the first checkpoint: the output dedups
         else:
             start = cp.position
+            seq = int(cp.counts.get("seq", 0))  # --ordered: the input's numbering goes on
     return {
         "checkpoint": path,
         "resume": resume,
         "start_position": start,
+        "start_seq": seq,
         "checkpoint_interval_s": interval_s,
     }
 

@@ -52,6 +52,10 @@ class WrittenUids:
     def add(self, uid: int) -> None:
         self._uids.add(uid)
 
+    def count_seen(self, uids: list[int]) -> int:
+        """How many of ``uids`` were written already (counts no duplicate)."""
+        return sum(map(self._uids.__contains__, uids))
+
     def check_and_add(self, uid: int) -> bool:
         """True if ``uid`` is new (and remember it); False, counted, if it is a duplicate."""
         uids = self._uids

@@ -38,6 +38,7 @@ from evflow.processing.parallel.common import channel
 from evflow.processing.parallel.input import input_main
 from evflow.processing.parallel.output import output_main
 from evflow.processing.parallel.persist import decode_persistent
+from evflow.processing.parallel.restarts import RestartPolicy, output_restart_refusal
 from evflow.processing.parallel.split import SplitPath
 from evflow.processing.parallel.worker import EXIT_RECYCLE, worker_main
 from evflow.processing.statistics import ModuleStatistics
@@ -46,6 +47,7 @@ from evflow.runtime.bus import BusProxy
 from evflow.runtime.busclient import BusClient
 from evflow.runtime.zygote import Zygote
 from evflow.transport.paths import runtime_base_dir
+from evflow.transport.sessions import claim_session, remove_stale_sessions
 from evflow.wire.messages import BadMessageCounter, MsgType, encode_message
 
 #: after the input and output are done, workers get this long to exit on their own (s)
@@ -73,6 +75,7 @@ class Parent:
         self.n_workers = max(1, options.workers)
         extra = options.extra or {}
         self.max_restarts = int(extra.get("max_restarts", 2 * self.n_workers + 2))
+        self.backoff = RestartPolicy.from_options(extra)  # crash loops: delayed forks
         self.role_options = {
             "max_events": options.max_events,
             "ordered": options.ordered,
@@ -126,6 +129,7 @@ class Parent:
         self.board = scoreboard.Scoreboard(self.n_workers)
         scoreboard.install(self.board)
         restore = self._install_signals()
+        remove_stale_sessions()  # left by runs killed with kill -9 (their owner is gone)
         zygote = Zygote().start()  # before any zmq context in this process
         ctx: zmq.Context[Any] | None = None
         ctl = None
@@ -134,6 +138,7 @@ class Parent:
         start = time.monotonic()
         self.started_at = time.time()
         try:
+            claim_session(self.session)  # so that a later run can tell if this one died
             ctx = zmq.Context()
             ctl = channel(ctx, self.session, "ctl", "router", "bind")
             self.zygote, self.ctl = zygote, ctl.socket
@@ -196,6 +201,7 @@ class Parent:
             "processes": sorted(self.pids.values()),
             "workers lost": len(self.lost),
             "workers restarted": self.restarts,
+            "workers waiting to restart": len(self.backoff.pending),
             "signals": len(self.signals),
             "elapsed_s": round(time.time() - self.started_at, 3),
         }
@@ -222,8 +228,10 @@ class Parent:
         name = f"worker-{index}" if gen == 0 else f"worker-{index}.{gen}"
         buffer = self.options.event_buffer
         limit_mb = float((self.options.extra or {}).get("worker_memory_limit_mb", 0.0))
+        stale = self.board.read(index).batch  # the worker before's, still in the slot
         pid = self.zygote.spawn(worker_main, self.session, name, buffer, limit_mb, name=name)
         self.pids[pid] = name
+        self.backoff.spawned(index, time.monotonic(), stale)
 
     # --- the watch loop -----------------------------------------------------------------
     def _loop(self) -> None:
@@ -231,11 +239,13 @@ class Parent:
         poller.register(self.ctl, zmq.POLLIN)
         poller.register(self.zygote.fileno(), zmq.POLLIN)
         while self.pids:
-            poller.poll(100)
+            due_s = self.backoff.next_due_in_s(time.monotonic())
+            poller.poll(100 if due_s is None else min(100, int(due_s * 1000) + 1))
             self._drain_ctl()
             for pid, code in self.zygote.exits():
                 self._exited(pid, code)
             self._handle_signals()
+            self._tend_backoff()
             if self.bus is not None:
                 self.bus.tick()  # metrics once a second, answers check-state / get-run
             now = time.monotonic()
@@ -306,6 +316,15 @@ class Parent:
         if not name.startswith("worker"):
             if name in self.results and "aborted" not in self.results[name][0]:
                 return
+            refusal = output_restart_refusal(self.split.output) if name == "output" else None
+            if refusal:  # e.g. ROOT output: say why at once rather than fail the restart
+                self._fail(
+                    PeerLostError(
+                        f"the output process (pid {pid}) died with {describe_exit(code)}; "
+                        f"the run is stopped: {refusal}"
+                    )
+                )
+                return
             if name == "output" and self._restart_output(pid, code):
                 return
             if name == "input" and self._restart_input():
@@ -321,12 +340,18 @@ class Parent:
         if self.hard or self.error is not None:
             return
         self.lost.append(name)
+        index = scoreboard.slot_of(name)
+        reading = self.board.read(index)  # which event it died on (or between events)
+        self.backoff.observe(index, reading.state, reading.uid, reading.batch)
+        # backoff: only crashes count; SIGKILL/SIGTERM come from outside or for a timeout
+        crashed = code not in (-signal.SIGKILL, -signal.SIGTERM)
         if self.restarts >= self.max_restarts:
+            streak = self.backoff.died(index, time.monotonic(), crashed)
             self._fail(
                 PeerLostError(
                     f"{name} (pid {pid}) died with {describe_exit(code)}; {self.restarts} "
                     f"workers were already replaced (limit max_restarts={self.max_restarts}); "
-                    "the run is stopped"
+                    f"the run is stopped. {self.backoff.limit_hint(streak)}"
                 )
             )
             return
@@ -334,21 +359,35 @@ class Parent:
         lost = {"name": name, "pid": pid, "code": code}
         if pid in self.timed_out:
             lost["reason"] = "timeout"
-        # the scoreboard says which event it died on (or that it was between events)
-        index = scoreboard.slot_of(name)
-        reading = self.board.read(index)
         lost["blame"] = reading.state
         if reading.state == scoreboard.BUSY:
             lost["uid"] = reading.uid
         self.board.clear(index)  # before the replacement exists: nobody else writes it
         self._send("input", MsgType.WORKER_LOST, lost)
-        self._spawn_worker(index)
+        # backoff: a streak of workers dying before finishing an event delays the fork
+        if self.backoff.replace(index, time.monotonic(), crashed) == 0.0:
+            self._spawn_worker(index)
+
+    def _tend_backoff(self) -> None:
+        """Watch new workers finish events; fork the replacements whose backoff is over
+        (none once the run is ending)."""
+        for i in self.backoff.watching():
+            reading = self.board.read(i)
+            self.backoff.observe(i, reading.state, reading.uid, reading.batch)
+        if not self.backoff.pending:
+            return
+        ending = self.hard or self.error is not None or self.aborting_at
+        if ending or "input" not in self.pids.values():  # the input is done: no more events
+            self.restarts -= self.backoff.cancel(time.monotonic())  # scheduled, never forked
+            return
+        for index in self.backoff.pop_due(time.monotonic()):
+            self._spawn_worker(index)
 
     def _restart_output(self, pid: int, code: int) -> bool:
         """Reliability: a dead output is forked again; it reopens its files, rebuilds the
         set of uids they hold, and the input sends every unconfirmed event again."""
-        if self.hard or self.error is not None or self.options.ordered:
-            return False  # --ordered: the reorder buffer died with it; stop instead
+        if self.hard or self.error is not None:
+            return False
         if self.output_restarts >= self.max_output_restarts:
             return False
         self.output_restarts += 1
@@ -361,21 +400,24 @@ class Parent:
 
         The workers hold messages of the dead input and are unknown to the new one, so
         they are replaced too; the output drops what it already wrote (dedup) and says
-        HELLO to the new input. Needs a checkpoint (an output file); not with --ordered.
+        HELLO to the new input. Needs a checkpoint (an output file); --ordered: the new
+        input numbers its events from the checkpoint's seq, as the output expects.
         """
         ckpt = self.role_options.get("checkpoint")
-        if self.hard or self.error is not None or self.options.ordered or not ckpt:
+        if self.hard or self.error is not None or not ckpt:
             return False
         if self.input_restarts >= self.max_input_restarts:
             return False
         cp = checkpoint.CheckpointFile(str(ckpt)).load()
         start = cp.position if cp else int(self.role_options.get("start_position") or 0)
+        seq = int(self.role_options.get("start_seq") or 0)
+        seq = int(cp.counts.get("seq", seq)) if cp else seq
         self.input_restarts += 1
         for pid, name in list(self.pids.items()):
             if name.startswith("worker"):
                 with contextlib.suppress(EvflowError):
                     self.zygote.kill(pid, signal.SIGKILL)
-        options = {**self.role_options, "start_position": start}
+        options = {**self.role_options, "start_position": start, "start_seq": seq}
         self.pids[self.zygote.spawn(input_main, self.session, options, name="input")] = "input"
         self._send("output", MsgType.HELLO)  # the output introduces itself to the new input
         return True
@@ -427,6 +469,10 @@ class Parent:
             "workers lost": len(self.lost),
             "workers restarted": self.restarts,
         }
+        if self.lost:  # backoff: forks delayed because workers died before finishing events
+            stats = self.backoff.stats()
+            counters["restarts delayed"] = stats.delayed
+            counters["restart backoff (s)"] = round(stats.total_delay_s, 3)
         ledger = inp.get("ledger")
         if ledger:  # reliability: what the input's ledger saw
             counters["retries"] = int(ledger["retries"])
@@ -436,6 +482,7 @@ class Parent:
             counters["events lost"] = max(lost, int(ledger["unconfirmed"]))
         if out_header.get("already_written"):
             counters["already in the output (resumed)"] = int(out_header["already_written"])
+        counters.update(out_header.get("fills", {}))  # persistent deltas: fills.py
         skipped = sorted(set(out_header.get("skipped", [])))
         if skipped:
             counters["persistent objects not merged"] = len(skipped)

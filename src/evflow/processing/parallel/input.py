@@ -1,9 +1,9 @@
 """The input role: read the source, run the input path, hand out batches by credit.
 
 Sockets: ROUTER ``events`` (worker DEALERs: HELLO, READY, GOODBYE in; EVENTS, END
-out), ROUTER ``back`` (the output's DEALER: HELLO, CONFIRM, DONE in; END out) and a
-DEALER to the parent's ``ctl`` (STOP, WORKER_LOST, KILL in; HELLO, RESULT, STATE
-out).
+out), ROUTER ``back`` (the output's DEALER: HELLO, CONFIRM, DONE in; END, ORDER out)
+and a DEALER to the parent's ``ctl`` (STOP, WORKER_LOST, KILL in; HELLO, RESULT,
+STATE out).
 
 Every event sent is added to the ``Ledger`` (uid, source position, worker, the
 encoded frames by reference) and stays there until the output CONFIRMs its uid
@@ -13,7 +13,8 @@ ledger asks for isolation; poisoned ones go to the output raw, to be written
 quarantined. With ``event_timeout_s`` the input asks the parent to kill a worker that
 made no progress (STATE TIMEOUT). END goes to the workers only when the ledger is
 empty, then to the output with the counts; the input exits after the output's
-GOODBYE.
+GOODBYE. With --ordered every output that says HELLO first gets ORDER: the seq where
+its order goes on (``reorder.py``).
 """
 
 from __future__ import annotations
@@ -113,6 +114,8 @@ class _Input:
         self.goodbye: list[str] = []
         # reliability: --resume starts at the checkpoint; the input checkpoints as it goes
         self.start_position = int(options.get("start_position") or 0)
+        # --ordered: the seq of the event at start_position (a restart numbers as before)
+        self.start_seq = int(options.get("start_seq") or 0)
         self.ledger = Ledger(
             max_attempts=int(options.get("max_attempts") or 3),
             event_timeout_s=options.get("event_timeout_s"),
@@ -127,7 +130,8 @@ class _Input:
             )
             self.checkpoint.file.remove_stale_temps()
         self.resend: collections.deque[LedgerEntry] = collections.deque()
-        self.seq_of: dict[int, int] = {}  # --ordered only: uid -> input sequence number
+        # --ordered only: uid -> input sequence number, of the events not yet confirmed
+        self.seq_of: dict[int, int] = {}
         self.timeouts_asked: set[Any] = set()
         self.next_check_s = 0.0
         self.quarantined = 0
@@ -137,7 +141,7 @@ class _Input:
         self.unsent_quarantine: list[LedgerEntry] = []
         self.end_for_output: list[Any] | None = None
         self.next_bid = 0
-        self.next_seq = 0
+        self.next_seq = self.start_seq
         self.read = 0
         self.dropped = 0
         self.exhausted = False
@@ -179,11 +183,11 @@ class _Input:
                     self._feed()
                 if self.ledger.event_timeout_s is not None:
                     self._check_timeouts()
-                if self.checkpoint is not None:
-                    self.checkpoint.maybe_write(self.ledger.checkpoint_position(), self._counts())
+                if self.checkpoint is not None and self.checkpoint.due():
+                    self.checkpoint.maybe_write(*self._checkpoint_point())
                 self._maybe_end()
             if self.checkpoint is not None:  # everything confirmed: where a resume starts
-                self.checkpoint.write_now(self.ledger.checkpoint_position(), self._counts())
+                self.checkpoint.write_now(*self._checkpoint_point())
         finally:
             close = getattr(self.it, "close", None)
             if close is not None:
@@ -195,7 +199,7 @@ class _Input:
             "stats": stats,
             "read": self.read,
             "dropped": self.dropped,
-            "sent": self.next_seq,
+            "sent": self.next_seq - self.start_seq,
             "bad": self.bad.total,
             "batches": self.next_bid,
             "quarantined": self.quarantined,
@@ -253,10 +257,18 @@ class _Input:
     def _on_output(self, frames: list[bytes]) -> None:
         msg = decode_message(frames[1:])
         if msg.type == MsgType.CONFIRM:
-            self.ledger.confirm(from_u64(msg.payload[0]).tolist())
+            uids = from_u64(msg.payload[0]).tolist()
+            self.ledger.confirm(uids)
+            if self.ordered:
+                pop = self.seq_of.pop
+                for uid in uids:
+                    pop(uid, None)
         elif msg.type == MsgType.HELLO:
             restarted = self.output_id is not None
             self.output_id = frames[0]
+            if self.ordered:  # before anything else: where the output's order goes on
+                order = encode_message(MsgType.ORDER, self._order_start())
+                self.back.send_multipart([self.output_id, *order])
             if restarted:
                 self._output_restarted()
             if self.unsent_quarantine:
@@ -314,6 +326,35 @@ class _Input:
 
     def _counts(self) -> dict[str, int]:
         return {"read": self.read, "dropped": self.dropped, "quarantined": self.quarantined}
+
+    def _checkpoint_point(self) -> tuple[int, dict[str, int]]:
+        """Where a restarted input would start, and the counts; --ordered adds its seq.
+
+        --ordered: the exact lowest unconfirmed event and its seq, so that an input
+        started there numbers every event as this one did.
+        """
+        counts = self._counts()
+        if not self.ordered:
+            return self.ledger.checkpoint_position(), counts
+        first = self.ledger.first_unconfirmed()
+        if first is None:
+            position, seq = self.ledger.checkpoint_position(), self.next_seq
+        else:
+            position, seq = first[1], self.seq_of[first[0]]
+        counts["seq"] = seq
+        return position, counts
+
+    def _order_start(self) -> dict[str, Any]:
+        """--ordered: the ORDER header for an output that said HELLO.
+
+        ``seq``: the lowest unconfirmed seq (the output confirms in order: everything
+        below is written); ``done``: seqs above it confirmed already (only while a
+        restarted input catches up, when confirms of re-read events come out of order).
+        """
+        unconfirmed = set(self.seq_of.values())
+        first = min(unconfirmed) if unconfirmed else self.next_seq
+        done = [s for s in range(first, self.next_seq) if s not in unconfirmed]
+        return {"seq": first, "done": done}
 
     def _event_failed(self, worker: str, f: dict[str, Any]) -> None:
         """A module raised in ``event()`` on one event; its worker lives on.
@@ -380,8 +421,8 @@ class _Input:
 
     # --- feeding --------------------------------------------------------------------------
     def _can_feed(self) -> bool:
-        if not self.resend and (self.exhausted or self.stopping):
-            return False
+        if not self.resend and (self.exhausted or self.stopping or self._ordered_full()):
+            return False  # (a full --ordered window waits for CONFIRMs, not in a busy loop)
         window = self.sizer.window
         return any(s.buffer and s.inflight < window(s.buffer) for s in self.workers.values())
 
@@ -426,10 +467,12 @@ class _Input:
 
     def _ordered_full(self) -> bool:
         """--ordered: stay within ``reorder_window`` events of the oldest unconfirmed one."""
-        if not self.ordered or not len(self.ledger):
+        if not self.ordered:
             return False
-        oldest = self.seq_of.get(self.ledger.oldest_uid(), self.next_seq)  # type: ignore[arg-type]
-        return self.next_seq - oldest >= self.reorder_window
+        first = self.ledger.first_unconfirmed()
+        if first is None:
+            return False
+        return self.next_seq - self.seq_of.get(first[0], self.next_seq) >= self.reorder_window
 
     def _read_batch(self, n: int) -> Batch | None:
         if self.encoded:
@@ -520,7 +563,7 @@ class _Input:
             "workers": self.goodbye,
             "read": self.read,
             "dropped": self.dropped,
-            "sent": self.next_seq,
+            "sent": self.next_seq - self.start_seq,
             "run": [last.experiment, last.run] if last else None,
             "skipped": skipped,
             "stopped": self.stopping,

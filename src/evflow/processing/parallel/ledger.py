@@ -513,6 +513,26 @@ class Ledger:
         head = self._order[0]
         return head.uids[0] if type(head) is _Batch else head.uid
 
+    def first_unconfirmed(self) -> tuple[int, int] | None:
+        """``(uid, position)`` of the unconfirmed event with the lowest position, or None.
+
+        Exact, unlike ``oldest_uid`` and ``checkpoint_position``, which may stop at the
+        start of a batch whose first events are confirmed (--ordered needs the exact
+        point: its seq is where the output's order continues). Cost: amortised O(1),
+        plus the confirmed events at the head of a partly confirmed batch.
+        """
+        self.checkpoint_position()
+        if not self._order:
+            return None
+        head = self._order[0]
+        if type(head) is not _Batch:
+            return head.uid, head.position
+        entries = self._entries
+        for uid, position in zip(head.uids, head.positions, strict=True):
+            if uid in entries:
+                return uid, position
+        return None  # not reached: checkpoint_position() keeps only unfinished batches
+
     def statistics(self) -> LedgerStatistics:
         n = len(self._entries)
         return LedgerStatistics(

@@ -8,6 +8,8 @@ Every uid's fate is known here: written, dropped by a module, or a duplicate (a 
 already seen: a late result after a re-send), which is counted and skipped. A batch
 is CONFIRMed to the input only after its events went through the output path and
 every writer's ``flush()`` returned; confirms are batched by count and by time.
+The persistent-object delta a batch carries is merged when the batch is accepted,
+and kept on disk for a restarted output (fills.py).
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ from evflow.processing.parallel.common import (
     run_role,
 )
 from evflow.processing.parallel.dedup import WrittenUids
+from evflow.processing.parallel.fills import Fills
 from evflow.processing.parallel.persist import decode_persistent, encode_persistent, merge_into
+from evflow.processing.parallel.reorder import SKIP, ReorderBuffer
+from evflow.transport.paths import session_dir
 from evflow.wire.codec import decode_event, peek_meta, with_meta, with_value
 from evflow.wire.messages import BadMessageCounter, MsgType, encode_message
 
@@ -89,16 +94,25 @@ class _Output:
             self.raw_writers = [quarantine]
             self.writers = [*self.writers, quarantine]  # flushed before every confirm
         self.seen = WrittenUids()
+        in_file: set[int] | None = None
         if options.get("resume") or options.get("restart"):
             # reliability: continue the files; drop what they already hold
-            self.seen = WrittenUids(open_writers_for_append(self.writers))
+            in_file = open_writers_for_append(self.writers)
+            self.seen = WrittenUids(in_file)
+        # persistent-object deltas merged per batch; a restart reloads the saved state
+        self.fills = Fills(
+            session_dir(session), self.ordered, in_file if options.get("restart") else None
+        )
+        del in_file
         self.pending: list[Any] = []  # uid arrays written, not yet flushed and confirmed
         self.pending_n = 0
         self.pending_since = 0.0
         self.confirm_interval_s = CONFIRM_INTERVAL_S
-        # --ordered: seq -> (frames or None when dropped, quarantined?, uid)
-        self.reorder: dict[int, tuple[Any, bool, int]] = {}
-        self.next_seq = 0
+        # --ordered: a restarted output learns where its order goes on from the input
+        self.order: ReorderBuffer | None = None
+        if self.ordered:
+            start = None if options.get("restart") else int(options.get("start_seq") or 0)
+            self.order = ReorderBuffer(start)
         self.written = 0
         self.dropped = 0
         self.quarantined = 0
@@ -166,6 +180,9 @@ class _Output:
                     self.end_at = time.monotonic()
                 elif msg.type == MsgType.KILL:
                     self.abort = True
+                elif msg.type == MsgType.ORDER and self.order is not None:
+                    self.order.start_at(int(msg.header["seq"]), map(int, msg.header["done"]))
+                    self._emit_in_order()
                 elif msg.type == MsgType.HELLO:  # from the parent: a new input started
                     self.back.send_multipart(encode_message(MsgType.HELLO, self.hello))
             except (KeyError, TypeError, ValueError, IndexError) as exc:
@@ -173,26 +190,31 @@ class _Output:
 
     def _on_events(self, header: dict[str, Any], payload: list[Any]) -> None:
         kept = header["k"]
+        if "d" in header:  # the batch's persistent-object delta rides at the end
+            payload = self._take_delta(header, payload)
         events = unpack_batch(header, payload)
         uid_array = from_u64(header["u"])
         uids = uid_array.tolist()
-        seqs = from_u64(header["s"]).tolist() if self.ordered else None
+        order = self.order
+        seqs: list[int] = from_u64(header["s"]).tolist() if order is not None else []
         reasons = header.get("q")  # from the input: events to write raw, quarantined
         check_and_add = self.seen.check_and_add
         j = 0
-        buffered = 0
         for i, uid in enumerate(uids):
             frames = None
             if kept[i]:
                 frames = events[j]
                 j += 1
             if not check_and_add(uid):
-                continue  # a duplicate (late result after a re-send): counted, dropped
+                # a duplicate (late result after a re-send): counted, not written;
+                # --ordered: it still holds its seq, or the order would stall there
+                if order is not None:
+                    order.skip(seqs[i], uid)
+                continue
             if reasons is not None:
                 self.quarantine_reasons[uid] = str(reasons[i])
-            if seqs is not None:
-                self.reorder[seqs[i]] = (frames, reasons is not None, uid)
-                buffered += 1
+            if order is not None:
+                order.put(seqs[i], uid, frames, reasons is not None)
             elif frames is None:
                 self.dropped += 1
             elif reasons is not None:
@@ -201,10 +223,24 @@ class _Output:
                 self.written += 1  # nothing in the output path reads it: no decoding
             else:
                 self._write(frames)
-        if seqs is None:
+        if order is None:
             self._written(uid_array)
-        elif buffered:
+        else:
             self._emit_in_order()
+
+    def _take_delta(self, header: dict[str, Any], payload: list[Any]) -> list[Any]:
+        """Merge or drop a batch's persistent delta (see fills.py); the events' payload."""
+        n = header["d"]
+        if type(n) is not int or not 0 < n <= len(payload):
+            self.bad.record("bad-delta", f"delta of {n!r} frames in {len(payload)}")
+            return payload
+        raw = header["u"]
+        failed = header.get("fx", 0)
+        failed = failed if type(failed) is int else 0
+        bad = self.fills.accept(payload[-n:], raw, from_u64(raw).tolist(), self.seen, failed)
+        if bad is not None:
+            self.bad.record("bad-delta", bad)  # dropped; the events are still written
+        return payload[:-n]
 
     def _write(self, frames: Any) -> None:
         if self.no_modules:
@@ -229,12 +265,12 @@ class _Output:
         self.quarantined += 1
 
     def _emit_in_order(self) -> None:
-        reorder = self.reorder
-        done: list[int] = []
-        while self.next_seq in reorder:
-            frames, raw, uid = reorder.pop(self.next_seq)
-            self.next_seq += 1
-            if frames is None:
+        assert self.order is not None
+        done = self.order.take_late()  # released before (maybe by an earlier output)
+        for frames, raw, uid in self.order.release():
+            if frames is SKIP:
+                pass  # a duplicate: already in the file, confirmed again below
+            elif frames is None:
                 self.dropped += 1
             elif raw:
                 self._write_raw(frames, self.quarantine_reasons.get(uid, "unknown"))
@@ -259,6 +295,7 @@ class _Output:
             CONFIRM_INTERVAL_MAX_S, max(CONFIRM_INTERVAL_S, FLUSH_COST_FACTOR * flush_s)
         )
         uids = np.concatenate(self.pending) if len(self.pending) > 1 else self.pending[0]
+        self.fills.confirmed(uids)  # flushed: the saved merged state may follow
         message = encode_message(MsgType.CONFIRM, {"n": len(uids)}, [uids.tobytes()])
         self.back.send_multipart(message)
         self.pending = []
@@ -282,7 +319,7 @@ class _Output:
         self.progress.stop(self.events_done)
         if self.pending:
             self._confirm()
-        merged: dict[str, Any] = {}
+        merged = self.fills.merged  # the deltas; RESULTs hold what is left since
         if self.end_payload:
             head, *frames = self.end_payload
             merge_into(merged, decode_persistent(head, frames), "input")
@@ -306,6 +343,7 @@ class _Output:
         for w in self.raw_writers:
             w.close()  # a separate quarantine file (closing twice is fine)
         self._report(aborted=False, missing=missing)
+        self.fills.remove_files()
         self.back.send_multipart(encode_message(MsgType.GOODBYE, {"written": self.written}))
         self.back.linger = 2000
         self.ctl.linger = 2000
@@ -324,7 +362,8 @@ class _Output:
             "quarantine_reasons": [[u, r] for u, r in self.quarantine_reasons.items()],
             "aborted": aborted,
             "missing_results": missing or [],
-            "skipped": skipped,
+            "skipped": [*skipped, *self.fills.not_merged()],
+            "fills": self.fills.counters(),
             "bad": self.bad.total,
             "input": self.end or {},
             "cpu_s": time.process_time(),

@@ -47,7 +47,11 @@ def _signed(word: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class SlotReading:
-    """What a slot said: ``state`` BUSY (``uid``, ``batch`` valid), IDLE or UNKNOWN."""
+    """What a slot said: ``state`` BUSY (``uid``, ``batch`` valid), IDLE or UNKNOWN.
+
+    An IDLE reading carries the ``batch`` last given to the slot (-1: none yet): a new
+    batch id means the worker moved on, i.e. finished events (the restart backoff).
+    """
 
     state: str
     uid: int = -1
@@ -123,7 +127,7 @@ class Scoreboard:
         if check != _check(batch, count) or count > CAPACITY:
             return SlotReading(IDLE if cursor == 0 and check else UNKNOWN)
         if cursor == 0:
-            return SlotReading(IDLE)
+            return SlotReading(IDLE, batch=batch)
         if cursor > count:
             return SlotReading(UNKNOWN)
         return SlotReading(BUSY, self._words[base + _HEAD_WORDS + cursor - 1], batch)

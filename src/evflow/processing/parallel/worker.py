@@ -9,6 +9,8 @@ event is left out of the results and reported in the READY (``f``: module, uid,
 exception), the input retries or quarantines it, and the worker goes on. On END the
 worker ends the run, pushes its RESULT (persistent objects, module
 statistics) to the output, reports to the parent and says GOODBYE to the input.
+Persistent objects travel as per-batch deltas on the results message (deltas.py), so
+a worker that dies loses only the batch it was on; its RESULT holds what is left.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from evflow.processing.parallel.batching import (
     frames_nbytes,
     from_u64,
     pack_batch,
-    unpack_batch,
+    unpack_batch_metas,
 )
 from evflow.processing.parallel.common import (
     channel,
@@ -35,6 +37,7 @@ from evflow.processing.parallel.common import (
     run_of,
     run_role,
 )
+from evflow.processing.parallel.deltas import DeltaEncoder
 from evflow.processing.parallel.fastpath import fastpath_enabled
 from evflow.processing.parallel.lazystore import LazyEvent, untouched
 from evflow.processing.parallel.persist import encode_persistent
@@ -89,6 +92,7 @@ class _Worker:
         self.events_kept = 0
         self.first_event_at = 0.0  # wall clock (s) when the first batch arrived
         self.bad = BadMessageCounter(f"worker {name}")
+        self.deltas = DeltaEncoder()  # persistent objects travel as per-batch deltas
         self.memory_limit_b = 0  # reliability: recycle the worker above this RSS (0: never)
         self.eager = not fastpath_enabled()  # EVFLOW_NO_FASTPATH: decode every event
         # exact blame: the event in the modules is written to this worker's scoreboard
@@ -126,7 +130,10 @@ class _Worker:
                 return 0
 
     def _process(self, header: dict[str, Any], payload: Any) -> None:
-        events = unpack_batch(header, [f.buffer for f in payload])
+        received = [f.buffer for f in payload]
+        events, metas = unpack_batch_metas(header, received)
+        if len(header["u"]) != 8 * len(events):
+            raise ValueError(f"batch has {len(events)} events and {len(header['u'])} uid bytes")
         attempt = header["a"]
         kept_mask = bytearray(len(events))
         kept: list[Any] = []
@@ -135,19 +142,28 @@ class _Worker:
         current = chain.run
         board, slot = self.board, self.slot
         bid = header["b"] if type(header["b"]) is int and -(2**63) <= header["b"] < 2**63 else -1
+        # the scoreboard gets the batch's uids once; per event only a cursor is stored
+        cursor_words: Any = None
+        cursor_at = 0
+        if board is not None and board.begin_batch(slot, header["u"], bid):
+            cursor_words, cursor_at = board.cursor(slot)
+        as_received = True  # every event kept and forwarded unchanged: resend the payload
+        eager = self.eager
         t0 = time.perf_counter()
         for i, frames in enumerate(events):
-            store = LazyEvent(frames)  # objects are decoded when a module asks
-            if self.eager:
+            meta = metas[i]
+            store = LazyEvent(frames, meta)  # objects are decoded when a module asks
+            if eager:
                 store.load()
-            meta = store.meta
             fresh = meta.attempt == attempt  # the frames' meta is still right
             meta.attempt = attempt
             flags = meta.flags
             if current is None or current.run != meta.run or current.experiment != meta.experiment:
                 chain.switch_run(meta.experiment, meta.run)
                 current = chain.run
-            if board is not None:
+            if cursor_words is not None:
+                cursor_words[cursor_at] = i + 1
+            elif board is not None:
                 board.begin(slot, meta.uid, bid)
             try:
                 keep = chain.event(store)
@@ -155,7 +171,9 @@ class _Worker:
                 failed.append(_failure(i, exc))  # this event failed, not the worker
                 continue
             finally:
-                if board is not None:
+                if cursor_words is not None:
+                    cursor_words[cursor_at] = 0
+                elif board is not None:
                     board.clear(slot)
             if keep:
                 kept_mask[i] = 1
@@ -163,11 +181,15 @@ class _Worker:
                     kept.append(frames)  # nothing changed: forward the received frames
                 else:
                     kept.append(encode_event(store))
+                    as_received = False
+            else:
+                as_received = False
         if not self.first_event_at:
             self.first_event_at = time.time()
         per_event_s = (time.perf_counter() - t0) / max(len(events), 1)
         out = {"b": header["b"], "a": attempt, "u": header["u"], "s": header["s"]}
         if failed:  # failed events are not results: leave them out
+            as_received = False
             gone = {f.pop("i") for f in failed}
             rest = [i for i in range(len(events)) if i not in gone]
             out["u"] = from_u64(header["u"])[rest].tobytes()
@@ -175,11 +197,25 @@ class _Worker:
             kept_mask = bytearray(kept_mask[i] for i in rest)
         out["k"] = bytes(kept_mask)
         out["w"] = self.name
-        if kept_mask:
+        if kept_mask and as_received and header["p"]:
+            out["n"], out["p"], out["l"] = header["n"], True, header["l"]
+            body = received  # the packed payload as it came: no repacking per event
+            large = False
+        elif kept_mask:
             body = pack_batch(kept, out, packed=header["p"])
             large = (
                 not header["p"] and len(body) and frames_nbytes(body) >= ZERO_COPY_MIN_B * len(kept)
             )
+        # what this batch filled in store.persistent goes with its results (deltas.py);
+        # a batch with no result left (every event failed) drops it: failed events'
+        # fills must not count
+        delta = self.deltas.take(chain.persistent) if chain.persistent else None
+        if kept_mask:
+            if delta is not None:
+                out["d"] = len(delta)
+                if failed:
+                    out["fx"] = len(failed)  # their partial fills are in the delta
+                body = [*body, *delta]
             self.push.send_multipart(encode_message(MsgType.EVENTS, out, body), copy=not large)
         ready: dict[str, Any] = {"credit": len(events), "t": per_event_s}
         if failed:

@@ -507,3 +507,18 @@ def test_quarantined_events_can_go_to_a_separate_file(tmp_path: FsPath) -> None:
     assert set(quarantine) == {5, 250} == quarantined(quarantine)
     assert summary.events_quarantined == 2
     assert reasons_in_file(qfile) == dict(summary.quarantined)
+
+
+def test_start_up_figure_survives_the_death_of_every_original_worker(tmp_path: FsPath) -> None:
+    # one worker, killed late: the worker that saw the first event never reports it
+    path = Path(
+        [
+            ToyGenerator(n_events=1500),
+            BusyWork(work_ms=0.5),
+            FaultInjector(mode="exit", uids=[1400]),
+            RecordOutput(file=str(tmp_path / "o.evr"), fsync=False),
+        ]
+    )
+    summary = evflow.process(path, workers=1, quiet=True)
+    assert summary.counters["workers lost"] == 1 and summary.events_written == 1500
+    assert summary.counters["start-up to first event (s)"] < 0.25 * summary.wall_s

@@ -491,6 +491,8 @@ class Parent:
             for role, (h, _) in self.results.items()
             if role.startswith("worker") and h.get("first_event_at")
         ]
+        if out_header.get("first_result_at"):  # dead workers report nothing: bound it
+            firsts.append(float(out_header["first_result_at"]))
         if firsts:
             counters["start-up to first event (s)"] = round(min(firsts) - self.started_at, 4)
         if self.all_ready_at:

@@ -117,6 +117,9 @@ class _Output:
         self.dropped = 0
         self.quarantined = 0
         self.quarantine_reasons: dict[int, str] = {}
+        # wall clock (s) of the first result: the start-up figure even when every
+        # original worker died before it could report its own first event
+        self.first_result_at = 0.0
         self.results: dict[str, list[Any]] = {}
         self.end: dict[str, Any] | None = None
         self.end_payload: list[Any] = []
@@ -190,6 +193,8 @@ class _Output:
 
     def _on_events(self, header: dict[str, Any], payload: list[Any]) -> None:
         kept = header["k"]
+        if not self.first_result_at:
+            self.first_result_at = time.time()
         if "d" in header:  # the batch's persistent-object delta rides at the end
             payload = self._take_delta(header, payload)
         events = unpack_batch(header, payload)
@@ -367,6 +372,7 @@ class _Output:
             "bad": self.bad.total,
             "input": self.end or {},
             "cpu_s": time.process_time(),
+            "first_result_at": self.first_result_at,
         }
         self.ctl.send_multipart(encode_message(MsgType.RESULT, header, [head, *frames]))
         self.ctl.linger = 2000

@@ -249,28 +249,30 @@ class Ledger:
 
         A uid confirmed twice or never added is counted, not an error.
         """
+        if not isinstance(uids, list):
+            uids = list(uids)  # iterated twice below
         entries = self._entries
+        pop = entries.pop
+        recent, recent_old = self._recent, self._recent_old
         done = 0
         now: float | None = None
+        last: _Batch | None = None  # consecutive uids mostly come from one batch
+        touched: list[_Batch] = []
         for uid in uids:
-            entry = entries.pop(uid, None)
+            entry = pop(uid, None)
             if entry is None:
-                if uid in self._recent or uid in self._recent_old:
+                # (rare path) listed twice in this confirm counts as a duplicate too
+                if uid in recent or uid in recent_old or uids.count(uid) > 1:
                     self._duplicate_confirms += 1
                 else:
                     self._unknown_confirms += 1
                 continue
             done += 1
-            self._recent.add(uid)
             if type(entry) is _Batch:  # the hot path: an event of a batch, never failed
                 entry.open -= 1
-                if now is None:
-                    now = self._clock()
-                self._progress_s[entry.worker] = now
-                if not entry.open and not entry.live:
-                    wb = self._wbatches.get(entry.worker)
-                    if wb is not None:
-                        wb.pop(entry.send, None)
+                if entry is not last:
+                    last = entry
+                    touched.append(entry)
                 continue
             if entry.origin is not None:
                 entry.origin.live -= 1
@@ -288,6 +290,18 @@ class Ledger:
                 self._poisoned_pending -= 1
             entry.state = _CONFIRMED
             entry.frames = ()  # let the buffers go even if someone keeps the entry
+        # a uid not ours (counted above) in ``recent`` only makes a later repeat of it
+        # count as a duplicate rather than unknown: both are only counted
+        recent.update(uids)
+        if touched:
+            if now is None:
+                now = self._clock()
+            for batch in touched:  # once per batch, not per event
+                self._progress_s[batch.worker] = now
+                if not batch.open and not batch.live:
+                    wb = self._wbatches.get(batch.worker)
+                    if wb is not None:
+                        wb.pop(batch.send, None)
         self._confirmed += done
         if len(self._recent) > self.RECENT_CONFIRMS:
             self._recent_old, self._recent = self._recent, set()

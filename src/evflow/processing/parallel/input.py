@@ -32,6 +32,7 @@ from evflow.processing.chain import ModuleChain, user_traceback
 from evflow.processing.datastore import DataStore
 from evflow.processing.parallel.batching import (
     BatchSizer,
+    PackedEvents,
     frames_nbytes,
     from_u64,
     pack_batch,
@@ -534,6 +535,8 @@ class _Input:
         self.next_bid += 1
         header = {"b": bid, "a": batch.attempt, "u": u64(batch.uids), "s": batch.seqs}
         payload = pack_batch(batch.enc, header, batch.packed)
+        if batch.packed and payload:  # the ledger keeps the sent bytes, not the chunks
+            batch.enc = PackedEvents(payload[0], header["n"], header["l"])
         self.router.send_multipart(
             [ident, *encode_message(MsgType.EVENTS, header, payload)],
             copy=not self.sizer.zero_copy,

@@ -66,3 +66,11 @@ def test_a_result_finishing_just_after_its_timeout_is_written_once() -> None:
         assert written == [42]
         assert seen.duplicates_dropped == 1
         assert len(ledger) == 0 and ledger.statistics().duplicate_confirms == 1
+
+
+def test_add_if_all_new_takes_a_batch_only_when_nothing_in_it_was_seen() -> None:
+    seen = WrittenUids([1, 2])
+    assert seen.add_if_all_new([3, 4, 5])
+    assert {3, 4, 5} <= set(range(6)) and 4 in seen and len(seen) == 5
+    assert not seen.add_if_all_new([6, 2, 7])  # 2 was written: nothing is taken
+    assert 6 not in seen and 7 not in seen and seen.duplicates_dropped == 0

@@ -56,6 +56,17 @@ class WrittenUids:
         """How many of ``uids`` were written already (counts no duplicate)."""
         return sum(map(self._uids.__contains__, uids))
 
+    def add_if_all_new(self, uids: list[int]) -> bool:
+        """Remember ``uids`` and return True if none was seen; else change nothing.
+
+        The output's fast path: one set operation per batch instead of one per uid.
+        """
+        known = self._uids
+        if not known.isdisjoint(uids):
+            return False
+        known.update(uids)
+        return True
+
     def check_and_add(self, uid: int) -> bool:
         """True if ``uid`` is new (and remember it); False, counted, if it is a duplicate."""
         uids = self._uids

@@ -197,10 +197,23 @@ class _Output:
             self.first_result_at = time.time()
         if "d" in header:  # the batch's persistent-object delta rides at the end
             payload = self._take_delta(header, payload)
-        events = unpack_batch(header, payload)
         uid_array = from_u64(header["u"])
         uids = uid_array.tolist()
         order = self.order
+        if (
+            self.no_modules
+            and order is None
+            and "q" not in header
+            and len(kept) == len(uids)
+            and self.seen.add_if_all_new(uids)
+        ):
+            # nothing reads the events and none is a duplicate: count, never split
+            n_kept = kept.count(1)
+            self.written += n_kept
+            self.dropped += len(uids) - n_kept
+            self._written(uid_array)
+            return
+        events = unpack_batch(header, payload)
         seqs: list[int] = from_u64(header["s"]).tolist() if order is not None else []
         reasons = header.get("q")  # from the input: events to write raw, quarantined
         check_and_add = self.seen.check_and_add

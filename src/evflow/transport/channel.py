@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import socket as pysocket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from evflow.transport.channel_config import (
     parse_channel_config,
     validate,
 )
+from evflow.transport.paths import ipc_listening
 
 __all__ = [
     "COPY_THRESHOLD_BYTES",
@@ -199,21 +199,6 @@ def _remove_empty_parent(files: list[Path]) -> None:
                 parent.rmdir()  # only succeeds when empty: other devices may share it
 
 
-def _ipc_in_use(path: Path) -> bool:
-    """True if something listens on the unix socket ``path`` (a stale file is not in use)."""
-    if not path.exists():
-        return False
-    probe = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
-    try:
-        probe.settimeout(0.5)
-        probe.connect(str(path))
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()
-
-
 def open_channel(
     context: zmq.Context[Any], config: ChannelConfig, session: str, index: int = 0
 ) -> Channel:
@@ -253,7 +238,7 @@ def open_channel(
                 endpoints.append(url)
                 continue
             if ipc_file is not None:
-                if _ipc_in_use(ipc_file):
+                if ipc_listening(ipc_file):
                     raise ConfigurationError(
                         f"channel {config.name!r}: address {url!r} already in use "
                         "(another device bound it; pick another path or use bare ipc://)"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 from pathlib import Path
 
 #: names of shared-memory segments evflow creates start with this
@@ -43,3 +44,18 @@ def remove_session_files(session: str) -> None:
             if name.startswith(prefix):
                 with contextlib.suppress(OSError):
                     Path("/dev/shm", name).unlink()
+
+
+def ipc_listening(path: Path | str) -> bool:
+    """True if something listens on the unix socket file ``path`` (a stale file: False)."""
+    if not os.path.exists(path):
+        return False
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(0.5)
+        probe.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()

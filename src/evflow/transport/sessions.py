@@ -26,7 +26,12 @@ from pathlib import Path
 
 import psutil  # type: ignore[import-untyped]
 
-from evflow.transport.paths import remove_session_files, runtime_base_dir, session_dir
+from evflow.transport.paths import (
+    ipc_listening,
+    remove_session_files,
+    runtime_base_dir,
+    session_dir,
+)
 
 __all__ = ["OWNER_FILE", "Owner", "claim_session", "read_owner", "remove_stale_sessions"]
 
@@ -112,14 +117,4 @@ def _in_use(path: Path) -> bool:
         files = [p for p in path.iterdir() if p.is_socket()]
     except OSError:
         return True  # cannot look inside: leave it
-    for file in files:
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.settimeout(0.5)
-            probe.connect(str(file))
-            return True
-        except OSError:
-            continue
-        finally:
-            probe.close()
-    return False
+    return any(ipc_listening(file) for file in files)

@@ -9,10 +9,6 @@ output file, bin by bin.
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
-import time
 from pathlib import Path as FsPath
 from typing import Any
 
@@ -20,7 +16,6 @@ import boost_histogram as bh
 import hist
 import msgpack
 import numpy as np
-import psutil
 import pytest
 
 import evflow
@@ -33,6 +28,7 @@ from evflow.processing.parallel import fills as fills_module
 from evflow.processing.parallel.dedup import WrittenUids
 from evflow.processing.parallel.deltas import DeltaEncoder, DeltaMerger
 from evflow.processing.parallel.fills import COUNTER_NAMES, Fills
+from test_chaos import _kill_role_when
 
 
 # --- modules (forked into workers, never pickled) -----------------------------------------
@@ -278,24 +274,6 @@ def test_raised_events_partial_fills_are_counted_not_hidden(tmp_path: FsPath) ->
     # Filler runs before the failing module: those two fills stay in, and the summary says so
     assert summary.counters[COUNTER_NAMES["failed"]] == 2
     assert summary.persistent["n"] == 402
-
-
-def _kill_role_when(name: str, ready: Any) -> threading.Thread:
-    def run() -> None:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not ready():
-            time.sleep(0.005)
-        for p in psutil.Process().children(recursive=True):
-            try:
-                if p.name() == name:
-                    os.kill(p.pid, signal.SIGKILL)
-                    return
-            except psutil.NoSuchProcess:
-                pass
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
 
 
 def test_sigkill_of_the_output_keeps_the_merged_histogram_exact(tmp_path: FsPath) -> None:

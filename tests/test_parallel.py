@@ -245,6 +245,9 @@ def test_module_statistics_have_a_column_per_process(tmp_path):
     assert totals["ToyGenerator"].calls == 300
     table = str(summary)
     assert "worker-0" in table and "worker-1" in table
+    # the serial-cost figures: CPU seconds of the input, the output and all workers
+    for role in ("input", "output", "workers"):
+        assert 0 < summary.counters[f"{role} CPU (s)"] < 60, summary.counters
 
 
 def test_worker_initialize_error_stops_run_with_one_message_naming_module(tmp_path):

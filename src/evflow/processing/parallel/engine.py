@@ -500,6 +500,13 @@ class Parent:
         for role, head in (("input", inp), ("output", out_header)):
             if "cpu_s" in head:
                 counters[f"{role} CPU (s)"] = round(float(head["cpu_s"]), 4)
+        worker_cpu = [
+            float(h["cpu_s"])
+            for role, (h, _) in self.results.items()
+            if role.startswith("worker") and "cpu_s" in h
+        ]
+        if worker_cpu:  # workers that ended normally (a killed one reports nothing)
+            counters["workers CPU (s)"] = round(sum(worker_cpu), 4)
         bad = int(inp.get("bad", 0)) + int(out_header.get("bad", 0)) + self.bad.total
         if bad:
             counters["malformed messages"] = bad

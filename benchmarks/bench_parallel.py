@@ -99,6 +99,7 @@ def _evflow_row(n: int, size: int, fast: bool) -> dict[str, float]:
         "gbs": n * size / s.wall_s / 1e9,
         "in_us": 1e6 * s.counters["input CPU (s)"] / n,
         "out_us": 1e6 * s.counters["output CPU (s)"] / n,
+        "work_us": 1e6 * s.counters.get("workers CPU (s)", 0.0) / n,
     }
 
 
@@ -120,7 +121,7 @@ def serial_and_chain(quick: bool) -> list[dict[str, Any]]:
     print("before = EVFLOW_NO_FASTPATH=1 (input encodes stores, workers decode every event)")
     print(
         " size     rep  path      ev/s      GB/s   raw ev/s  raw GB/s  /raw"
-        "  input us/ev  output us/ev"
+        "  input us/ev  output us/ev  workers us/ev"
     )
     for r in rows:
         for label in ("before", "after"):
@@ -128,7 +129,7 @@ def serial_and_chain(quick: bool) -> list[dict[str, Any]]:
             print(
                 f"{r['size']:>9,} {r['rep']:>2}  {label:<6} {e['rate']:>10,.0f} {e['gbs']:6.3f} "
                 f"{r['raw_rate']:>10,.0f} {r['raw_gbs']:6.3f} {e['rate'] / r['raw_rate']:6.2f}"
-                f" {e['in_us']:11.1f} {e['out_us']:12.1f}"
+                f" {e['in_us']:11.1f} {e['out_us']:12.1f} {e['work_us']:13.1f}"
             )
         b, a = r["before"], r["after"]
         print(

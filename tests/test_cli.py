@@ -266,3 +266,14 @@ def test_bad_root_input_is_one_line(tmp_path: Path, content: bytes | None, expec
     line = one_error_line(result)
     assert line.startswith(f"evflow: error: {file}:3: ")
     assert expect.format(file=data) in line
+
+
+def test_ctrl_c_turned_into_import_error_by_an_extension_exits_130(tmp_path: Path, capsys) -> None:
+    steer = tmp_path / "interrupted.py"
+    steer.write_text(
+        "try:\n    raise KeyboardInterrupt\nexcept KeyboardInterrupt as exc:\n"
+        "    raise ImportError('initialization failed') from exc\n"
+    )
+    assert main(["run", str(steer)]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "Traceback" not in err and "error" not in err

@@ -197,3 +197,19 @@ def test_steering_overrides_context_for_inline_use() -> None:
     with steering_overrides(max_events=2, quiet=True) as ctx:
         evflow.process(evflow.Path([ToyGenerator(n_events=9)]))
     assert [s.events_read for s in ctx.summaries] == [2]
+
+
+def test_an_interrupt_that_an_import_turned_into_import_error_stays_an_interrupt(
+    tmp_path: Path,
+) -> None:
+    # what a C extension does with Ctrl-C during its module init: ImportError from it
+    body = """
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt as exc:
+        raise ImportError("initialization failed") from exc
+    """
+    with pytest.raises(KeyboardInterrupt):
+        run_steering(write(tmp_path, body))
+    with pytest.raises(SteeringError, match="ImportError: no such module"):
+        run_steering(write(tmp_path, "raise ImportError('no such module')\n", "other.py"))

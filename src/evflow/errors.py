@@ -87,3 +87,19 @@ class StateTransitionError(EvflowError):
 
 class InternalError(EvflowError):
     """A bug in evflow itself; please report it with the message."""
+
+
+def caused_by_interrupt(exc: BaseException) -> bool:
+    """True if a KeyboardInterrupt is somewhere in the chain of causes of ``exc``.
+
+    A Ctrl-C that lands while a C extension initialises surfaces as an ImportError
+    "from" the KeyboardInterrupt; the command must still exit 130, not report an error.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, KeyboardInterrupt):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False

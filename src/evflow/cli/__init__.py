@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from evflow.errors import EvflowError
+from evflow.errors import EvflowError, caused_by_interrupt
 
 # module names under evflow.cli, each with register(subparsers)
 SUBCOMMANDS = ("run", "demo", "device", "ctl")
@@ -55,6 +55,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"evflow: error: {message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        print("evflow: interrupted", file=sys.stderr)
+        return 130
+    except ImportError as exc:
+        # Ctrl-C while a C extension initialises comes back as an ImportError
+        if not caused_by_interrupt(exc):
+            raise
         print("evflow: interrupted", file=sys.stderr)
         return 130
 

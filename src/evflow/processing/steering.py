@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path as FsPath
 from typing import TYPE_CHECKING, Any
 
-from evflow.errors import EvflowError, ModuleError, SteeringError
+from evflow.errors import EvflowError, ModuleError, SteeringError, caused_by_interrupt
 
 if TYPE_CHECKING:
     from evflow.processing.summary import RunSummary
@@ -86,6 +86,9 @@ def run_steering(
             raise
         raise located from exc
     except Exception as exc:
+        if caused_by_interrupt(exc):
+            # Ctrl-C inside an extension's import comes back as ImportError: still Ctrl-C
+            raise KeyboardInterrupt from None
         line = _line_in(exc, path)
         err = SteeringError(f"{path}:{line}: {type(exc).__name__}: {exc}")
         err.traceback_text = _traceback_from(exc, path)  # type: ignore[attr-defined]

@@ -36,7 +36,6 @@ import numbers
 from collections.abc import Sequence
 from typing import Any
 
-import boost_histogram as bh
 import msgpack
 import numpy as np
 
@@ -44,8 +43,20 @@ from evflow.errors import CodecError, ConfigurationError
 from evflow.processing.parallel.persist import decode_persistent, encode_persistent, merge_into
 
 DELTA_VERSION = 1
-#: storages whose bins add up element-wise (so the raw array is the whole delta)
-_ADDITIVE = (bh.storage.Double, bh.storage.Int64, bh.storage.AtomicInt64, bh.storage.Weight)
+
+
+def _bh() -> Any:
+    """boost_histogram, imported on first use: importing the engine must stay quick (a
+    Ctrl-C right after start must find evflow's handlers, not a C extension's init)."""
+    import boost_histogram
+
+    return boost_histogram
+
+
+def _additive() -> tuple[type, ...]:
+    """Storages whose bins add up element-wise (so the raw array is the whole delta)."""
+    st = _bh().storage
+    return (st.Double, st.Int64, st.AtomicInt64, st.Weight)
 
 
 def _pack_spec(obj: Any) -> bytes:
@@ -67,7 +78,7 @@ class _HistEntry:
         self.hist = hist
         view = hist.view(flow=True)
         self.shape = view.shape
-        self.additive = issubclass(hist.storage_type, _ADDITIVE)
+        self.additive = issubclass(hist.storage_type, _additive())
         # a histogram without growing axes never reallocates its bins (reset and fill
         # work in place), so its view can be kept: asking for one costs ~8 us (dtype
         # parsing), storage_type ~40 us
@@ -114,8 +125,9 @@ class DeltaEncoder:
     def _encode(self, objects: dict[str, Any], reset: bool) -> list[bytes] | None:
         items: list[list[Any]] = []
         frames: list[bytes] = [b""]  # frame 0 is the head
+        histogram = _bh().Histogram
         for name, value in objects.items():
-            if isinstance(value, bh.Histogram):
+            if isinstance(value, histogram):
                 entry, view = self._entry(name, value)
                 raw = np.ascontiguousarray(view).tobytes()
                 if not np.frombuffer(raw, dtype=np.uint8).any():
@@ -175,7 +187,7 @@ class DeltaMerger:
         found = self._templates.get(spec)
         if found is None:
             tmpl = _unpack_spec(spec)
-            if not isinstance(tmpl, bh.Histogram):
+            if not isinstance(tmpl, _bh().Histogram):
                 raise CodecError("histogram delta spec does not describe a histogram")
             if len(self._templates) > 4096:  # growing axes make new specs: stay bounded
                 self._templates.clear()
@@ -258,7 +270,7 @@ class DeltaMerger:
             return
         if target is None:
             target = self.merged[name] = tmpl.copy()
-        elif not isinstance(target, bh.Histogram) or target.axes != tmpl.axes:
+        elif not isinstance(target, _bh().Histogram) or target.axes != tmpl.axes:
             # another binning under the same name (e.g. a grown axis): a whole ``+=``
             whole = tmpl.copy()
             _add(whole.view(flow=True).view(np.ndarray), arr)

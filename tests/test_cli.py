@@ -277,3 +277,24 @@ def test_ctrl_c_turned_into_import_error_by_an_extension_exits_130(tmp_path: Pat
     assert main(["run", str(steer)]) == 130
     err = capsys.readouterr().err
     assert "interrupted" in err and "Traceback" not in err and "error" not in err
+
+
+SHUFFLED = """\
+import evflow
+from evflow.io.generators import BusyWork, ToyGenerator
+
+class Uneven(evflow.Module):
+    parallel = True
+    def event(self, store):
+        from evflow.io.generators import burn_cpu
+        burn_cpu(0.4 if store.meta.uid % 5 == 0 else 0.01)
+
+evflow.process(evflow.Path([ToyGenerator(n_events=400, payload_bytes=16), Uneven()]))
+"""
+
+
+def test_run_ordered_writes_the_events_in_input_order(tmp_path: Path) -> None:
+    out = tmp_path / "o.evr"
+    args = ["run", steering(tmp_path, SHUFFLED), "-p", "2", "-q", "-o", str(out), "--ordered"]
+    assert main(args) == 0
+    assert [s.meta.uid for s in RecordInput(file=str(out)).events()] == list(range(400))

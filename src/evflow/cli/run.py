@@ -49,6 +49,12 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")
     parser.add_argument(
+        "--ordered",
+        action="store_true",
+        help="parallel runs: write the events in input order (a bounded reorder buffer "
+        "in the output; default: the order they finish in)",
+    )
+    parser.add_argument(
         "--resume",
         action="store_true",
         help="continue a parallel run that was stopped or killed: read from its checkpoint "
@@ -84,6 +90,8 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
         overrides["workers"] = args.workers
     if args.quiet:
         overrides["quiet"] = True
+    if getattr(args, "ordered", False):
+        overrides["ordered"] = True
     if getattr(args, "resume", False):
         overrides["resume"] = True
     return overrides

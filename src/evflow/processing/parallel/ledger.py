@@ -519,21 +519,13 @@ class Ledger:
             self._materialize_worker(worker)
         return sorted(self._entries.values(), key=lambda e: (e.position, e.send))
 
-    def oldest_uid(self) -> int | None:
-        """The uid of the oldest unconfirmed message's first event (cheap)."""
-        self.checkpoint_position()
-        if not self._order:
-            return None
-        head = self._order[0]
-        return head.uids[0] if type(head) is _Batch else head.uid
-
     def first_unconfirmed(self) -> tuple[int, int] | None:
         """``(uid, position)`` of the unconfirmed event with the lowest position, or None.
 
-        Exact, unlike ``oldest_uid`` and ``checkpoint_position``, which may stop at the
-        start of a batch whose first events are confirmed (--ordered needs the exact
-        point: its seq is where the output's order continues). Cost: amortised O(1),
-        plus the confirmed events at the head of a partly confirmed batch.
+        Exact, unlike ``checkpoint_position``, which may stop at the start of a batch
+        whose first events are confirmed (--ordered needs the exact point: its seq is
+        where the output's order continues). Cost: amortised O(1), plus the confirmed
+        events at the head of a partly confirmed batch.
         """
         self.checkpoint_position()
         if not self._order:

@@ -195,10 +195,10 @@ class _Output:
         kept = header["k"]
         if not self.first_result_at:
             self.first_result_at = time.time()
-        if "d" in header:  # the batch's persistent-object delta rides at the end
-            payload = self._take_delta(header, payload)
         uid_array = from_u64(header["u"])
         uids = uid_array.tolist()
+        if "d" in header:  # the batch's persistent-object delta rides at the end
+            payload = self._take_delta(header, payload, uids)
         order = self.order
         if (
             self.no_modules
@@ -246,16 +246,15 @@ class _Output:
         else:
             self._emit_in_order()
 
-    def _take_delta(self, header: dict[str, Any], payload: list[Any]) -> list[Any]:
+    def _take_delta(self, header: dict[str, Any], payload: list[Any], uids: list[int]) -> list[Any]:
         """Merge or drop a batch's persistent delta (see fills.py); the events' payload."""
         n = header["d"]
         if type(n) is not int or not 0 < n <= len(payload):
             self.bad.record("bad-delta", f"delta of {n!r} frames in {len(payload)}")
             return payload
-        raw = header["u"]
         failed = header.get("fx", 0)
         failed = failed if type(failed) is int else 0
-        bad = self.fills.accept(payload[-n:], raw, from_u64(raw).tolist(), self.seen, failed)
+        bad = self.fills.accept(payload[-n:], header["u"], uids, self.seen, failed)
         if bad is not None:
             self.bad.record("bad-delta", bad)  # dropped; the events are still written
         return payload[:-n]

@@ -61,6 +61,14 @@ def register(subparsers: Any) -> None:
         "(OUT.ckpt), append to its output and skip the events already in it",
     )
     parser.add_argument(
+        "--transport",
+        choices=("zmq", "shm"),
+        default=None,
+        help="parallel runs: shm copies large events once into shared memory and sends "
+        "only their place over the sockets (faster for events of 64 kB and more; "
+        "modules must copy arrays they keep after event()); default zmq",
+    )
+    parser.add_argument(
         "args",
         nargs="*",
         metavar="ARGS",
@@ -94,6 +102,8 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
         overrides["ordered"] = True
     if getattr(args, "resume", False):
         overrides["resume"] = True
+    if getattr(args, "transport", None):
+        overrides["transport"] = args.transport
     return overrides
 
 

@@ -8,6 +8,9 @@ from typing import Any
 
 from evflow.errors import ConfigurationError
 
+#: the values of ``ProcessOptions.transport``
+TRANSPORTS = ("zmq", "shm")
+
 
 @dataclass(frozen=True, slots=True)
 class ProcessOptions:
@@ -39,6 +42,10 @@ class ProcessOptions:
     """Parallel: failed attempts before an event is written raw and flagged quarantined."""
     resume: bool = False
     """Parallel: continue a stopped run from its output file (skip uids already written)."""
+    transport: str = "zmq"
+    """Parallel: how large events reach the workers and the output: ``"zmq"`` (through
+    the sockets) or ``"shm"`` (copied once into shared memory, their place sent over the
+    sockets; arrays are then valid only during ``event()``: copy what a module keeps)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Settings for later parts (e.g. codec, batch sizes) that have no field yet."""
 
@@ -47,6 +54,10 @@ class ProcessOptions:
         _check_int("workers", self.workers, minimum=0)
         _check_int("event_buffer", self.event_buffer, minimum=1)
         _check_int("max_attempts", self.max_attempts, minimum=1)
+        if self.transport not in TRANSPORTS:
+            raise ConfigurationError(
+                f"option transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}"
+            )
         if self.output is not None and not isinstance(self.output, str):
             # accept pathlib paths: convert instead of refusing
             object.__setattr__(self, "output", str(self.output))

@@ -33,6 +33,9 @@ TARGET_BATCH_B = 1024 * 1024
 #: ... and about this much work in one worker, so the end of a run stays balanced (s)
 TARGET_BATCH_WORK_S = 0.004
 MAX_BATCH_EVENTS = 1024
+#: with transport shm the bytes of large events do not cross the sockets: a message
+#: may then point at this many bytes (8 MB: a few 1 MB events share one message)
+SHM_TARGET_BATCH_B = 8 * 1024 * 1024
 #: frames at least this large are sent without a copy; below it a memcpy is cheaper than
 #: pyzmq's zero-copy bookkeeping (measured here: ~40 us per zero-copy frame on 2 cores)
 ZERO_COPY_MIN_B = 512 * 1024
@@ -160,11 +163,12 @@ class BatchSizer:
     zero-copy from ``ZERO_COPY_MIN_B`` on.
     """
 
-    __slots__ = ("event_b", "work_s")
+    __slots__ = ("event_b", "target_b", "work_s")
 
-    def __init__(self) -> None:
+    def __init__(self, target_b: int = TARGET_BATCH_B) -> None:
         self.event_b = 0.0  # running mean of encoded event size (bytes)
         self.work_s = 0.0  # running mean of worker time per event (s), 0 = unknown
+        self.target_b = target_b  # bytes per batch (larger when the bytes go by shm)
 
     def observe_size(self, nbytes: int) -> None:
         self.event_b = nbytes if self.event_b == 0 else 0.8 * self.event_b + 0.2 * nbytes
@@ -177,7 +181,7 @@ class BatchSizer:
         return self.event_b < PACK_LIMIT_B
 
     def size(self) -> int:
-        by_bytes = int(TARGET_BATCH_B / max(self.event_b, 1.0))
+        by_bytes = int(self.target_b / max(self.event_b, 1.0))
         # until a worker has reported its speed, start with small batches
         by_work = int(TARGET_BATCH_WORK_S / self.work_s) if self.work_s > 0 else 4
         return max(1, min(by_bytes, by_work, MAX_BATCH_EVENTS))

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import shutil
 import signal
 import sys
 import threading
@@ -46,7 +45,7 @@ from evflow.processing.summary import RunSummary
 from evflow.runtime.bus import BusProxy
 from evflow.runtime.busclient import BusClient
 from evflow.runtime.zygote import Zygote
-from evflow.transport.paths import runtime_base_dir
+from evflow.transport.paths import remove_session_files
 from evflow.transport.sessions import claim_session, remove_stale_sessions
 from evflow.wire.messages import BadMessageCounter, MsgType, encode_message
 
@@ -86,6 +85,9 @@ class Parent:
             "on_event_error": str(extra.get("on_event_error", "retry")),
             "max_quarantined": int(extra.get("max_quarantined", 1000)),
             "quarantine_file": extra.get("quarantine_file"),
+            # large events through shared memory (transport/shm.py): the input's arena
+            "transport": options.transport,
+            "shm_mb": int(extra.get("shm_mb", 256)),
             # the output draws the progress bar: it learns every uid's fate
             "progress": options.show_progress(is_terminal(sys.stderr)),
             "progress_total": _progress_total(split, options.max_events),
@@ -168,7 +170,7 @@ class Parent:
                 ctl.close(linger_ms=0)
             if ctx is not None:
                 ctx.term()
-            shutil.rmtree(runtime_base_dir() / self.session, ignore_errors=True)
+            remove_session_files(self.session)  # ipc files and shared-memory segments
             state.set_current(None)
             scoreboard.install(None)
             self.board.close()
@@ -507,6 +509,14 @@ class Parent:
         ]
         if worker_cpu:  # workers that ended normally (a killed one reports nothing)
             counters["workers CPU (s)"] = round(sum(worker_cpu), 4)
+        if self.options.transport == "shm":  # how many events the arena carried
+            counters["events through shared memory"] = int(inp.get("shm_events", 0))
+            counters["re-sent events found confirmed (shm)"] = sum(
+                int(h.get("obsolete", 0)) for role, (h, _) in self.results.items()
+                if role.startswith("worker")
+            )  # fmt: skip
+        if inp.get("shm_full"):  # transport shm: batches that went over the socket instead
+            counters["batches not in shared memory (arena full)"] = int(inp["shm_full"])
         bad = int(inp.get("bad", 0)) + int(out_header.get("bad", 0)) + self.bad.total
         if bad:
             counters["malformed messages"] = bad

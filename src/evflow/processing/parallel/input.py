@@ -25,12 +25,15 @@ import signal
 import time
 from typing import Any
 
+import numpy as np
 import zmq
 
 from evflow.errors import EvflowError, ModuleError, PeerLostError, ProtocolError
 from evflow.processing.chain import ModuleChain, user_traceback
 from evflow.processing.datastore import DataStore
 from evflow.processing.parallel.batching import (
+    SHM_TARGET_BATCH_B,
+    TARGET_BATCH_B,
     BatchSizer,
     PackedEvents,
     frames_nbytes,
@@ -43,6 +46,7 @@ from evflow.processing.parallel.common import channel, current_split, run_role
 from evflow.processing.parallel.fastpath import encoded_source, read_encoded
 from evflow.processing.parallel.ledger import Failure, Ledger, LedgerEntry
 from evflow.processing.parallel.persist import encode_persistent
+from evflow.transport.shm import ShmArena
 from evflow.wire.codec import encode_event
 from evflow.wire.messages import (
     BadMessageCounter,
@@ -110,7 +114,8 @@ class _Input:
         self.reorder_window = int(options.get("reorder_window") or 8192)
         self.chain = ModuleChain(current_split().input, process="input")
         self.source: Any = self.chain.modules[0]
-        self.sizer = BatchSizer()
+        shm = options.get("transport") == "shm"
+        self.sizer = BatchSizer(SHM_TARGET_BATCH_B if shm else TARGET_BATCH_B)
         self.workers: dict[bytes, _Slot] = {}
         self.goodbye: list[str] = []
         # reliability: --resume starts at the checkpoint; the input checkpoints as it goes
@@ -155,6 +160,10 @@ class _Input:
         self.bad = BadMessageCounter("input")
         self.it: Any = None
         self.encoded = False  # the source yields encoded events (fastpath.py)
+        # transport "shm": unpacked (large) batches are copied into this arena once
+        self.shm: ShmArena | None = None
+        if shm:
+            self.shm = ShmArena(session, int(options.get("shm_mb") or 256) * 2**20)
 
     def on_term(self, signum: int, frame: Any) -> None:
         self.abort = True
@@ -193,6 +202,8 @@ class _Input:
             close = getattr(self.it, "close", None)
             if close is not None:
                 close()  # a generator source closes its files now
+            if self.shm is not None:
+                self.shm.close()  # readers that mapped it keep their mapping
         stats = [s.as_dict() for s in self.chain.statistics()]
         result = {
             "role": "input",
@@ -204,6 +215,8 @@ class _Input:
             "bad": self.bad.total,
             "batches": self.next_bid,
             "quarantined": self.quarantined,
+            "shm_full": self.shm.full if self.shm is not None else 0,
+            "shm_events": self.shm.events if self.shm is not None else 0,
             "cpu_s": time.process_time(),
             "ledger": _ledger_counts(self.ledger),
         }
@@ -234,7 +247,8 @@ class _Input:
             done = int(msg.header["credit"])
             if "t" in msg.header:
                 slot.inflight -= done
-                self.sizer.observe_work(float(msg.header["t"]))
+                if msg.header["t"] is not None:  # None: skipped (an obsolete shm message)
+                    self.sizer.observe_work(float(msg.header["t"]))
                 # workers go through their messages in order: the ledger then knows
                 # which one a worker works on (blame on death, timeouts)
                 self.ledger.progress(slot.name, n_events=done)
@@ -534,12 +548,22 @@ class _Input:
         bid = self.next_bid
         self.next_bid += 1
         header = {"b": bid, "a": batch.attempt, "u": u64(batch.uids), "s": batch.seqs}
-        payload = pack_batch(batch.enc, header, batch.packed)
+        placed = None
+        if self.shm is not None and not batch.packed and batch.enc:
+            placed = self.shm.place(batch.enc)  # None: the arena is full, use the socket
+        if placed is not None:
+            header["n"] = np.array([len(e) for e in placed], dtype=np.uint16).tobytes()
+            header["p"] = False
+            header.update(placed.where)
+            payload: list[Any] = []
+            batch.enc = placed  # the ledger holds the extent until every event is confirmed
+        else:
+            payload = pack_batch(batch.enc, header, batch.packed)
         if batch.packed and payload:  # the ledger keeps the sent bytes, not the chunks
             batch.enc = PackedEvents(payload[0], header["n"], header["l"])
         self.router.send_multipart(
             [ident, *encode_message(MsgType.EVENTS, header, payload)],
-            copy=not self.sizer.zero_copy,
+            copy=placed is not None or not self.sizer.zero_copy,  # (shm: small frames only)
         )
         slot.inflight += batch.n
 

@@ -274,8 +274,11 @@ class Ledger:
                     last = entry
                     touched.append(entry)
                 continue
-            if entry.origin is not None:
-                entry.origin.live -= 1
+            origin = entry.origin
+            if origin is not None:
+                origin.live -= 1
+                if not origin.live and not origin.open:
+                    origin.frames = ()  # done: its buffers (or shm extent) go now
             state = entry.state
             if state is _IN_FLIGHT:
                 wdict = self._by_worker.get(entry.worker)
@@ -299,16 +302,23 @@ class Ledger:
             for batch in touched:  # once per batch, not per event
                 self._progress_s[batch.worker] = now
                 if not batch.open and not batch.live:
+                    batch.frames = ()  # done: its buffers (or shm extent) go now
                     wb = self._wbatches.get(batch.worker)
                     if wb is not None:
                         wb.pop(batch.send, None)
         self._confirmed += done
         if len(self._recent) > self.RECENT_CONFIRMS:
             self._recent_old, self._recent = self._recent, set()
+        self._trim_order()  # without it a run with no checkpoint kept every batch record
         return done
 
     def checkpoint_position(self) -> int:
         """The lowest unconfirmed source position: every position below it is confirmed."""
+        order = self._trim_order()
+        return order[0].position if order else self._next_position
+
+    def _trim_order(self) -> deque[Any]:
+        """Drop the confirmed records at the head of the send order; the rest."""
         order = self._order
         while order:
             head = order[0]
@@ -318,7 +328,7 @@ class Ledger:
             elif head.state is not _CONFIRMED:
                 break
             order.popleft()
-        return order[0].position if order else self._next_position
+        return order
 
     # --- failures -----------------------------------------------------------------------
     def progress(

@@ -38,6 +38,7 @@ from evflow.processing.parallel.fills import Fills
 from evflow.processing.parallel.persist import decode_persistent, encode_persistent, merge_into
 from evflow.processing.parallel.reorder import SKIP, ReorderBuffer
 from evflow.transport.paths import session_dir
+from evflow.transport.shm import ShmViews
 from evflow.wire.codec import decode_event, peek_meta, with_meta, with_value
 from evflow.wire.messages import BadMessageCounter, MsgType, encode_message
 
@@ -94,6 +95,7 @@ class _Output:
             self.raw_writers = [quarantine]
             self.writers = [*self.writers, quarantine]  # flushed before every confirm
         self.seen = WrittenUids()
+        self.shm = ShmViews(session)  # transport shm: the input's arena, mapped on first use
         in_file: set[int] | None = None
         if options.get("resume") or options.get("restart"):
             # reliability: continue the files; drop what they already hold
@@ -213,6 +215,12 @@ class _Output:
             self.dropped += len(uids) - n_kept
             self._written(uid_array)
             return
+        if "x" in header:  # transport shm: the frames are in the input's arena
+            payload = self.shm.frames(header)
+            if not self.shm.current(header):
+                # freed, so every event of it was confirmed: nothing here to write
+                self.bad.record("stale-shm", f"batch {header['b']} of a freed extent")
+                return
         events = unpack_batch(header, payload)
         seqs: list[int] = from_u64(header["s"]).tolist() if order is not None else []
         reasons = header.get("q")  # from the input: events to write raw, quarantined

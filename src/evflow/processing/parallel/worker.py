@@ -43,6 +43,7 @@ from evflow.processing.parallel.lazystore import LazyEvent, untouched
 from evflow.processing.parallel.persist import encode_persistent
 from evflow.processing.parallel.scoreboard import current as current_scoreboard
 from evflow.processing.parallel.scoreboard import slot_of
+from evflow.transport.shm import ShmViews
 from evflow.wire.codec import encode_event
 from evflow.wire.messages import BadMessageCounter, MsgType, encode_message, hello_header
 
@@ -93,6 +94,8 @@ class _Worker:
         self.first_event_at = 0.0  # wall clock (s) when the first batch arrived
         self.bad = BadMessageCounter(f"worker {name}")
         self.deltas = DeltaEncoder()  # persistent objects travel as per-batch deltas
+        self.shm = ShmViews(session)  # transport shm: segments mapped on first use
+        self.obsolete = 0  # events of shm messages whose extent was freed before use
         self.memory_limit_b = 0  # reliability: recycle the worker above this RSS (0: never)
         self.eager = not fastpath_enabled()  # EVFLOW_NO_FASTPATH: decode every event
         # exact blame: the event in the modules is written to this worker's scoreboard
@@ -118,8 +121,13 @@ class _Worker:
             if msg.type == MsgType.EVENTS:
                 try:
                     self._process(msg.header, msg.payload)
-                except (KeyError, TypeError, ValueError) as exc:
-                    self.bad.record("bad-batch", str(exc))
+                except Exception as exc:
+                    if self._obsolete(msg.header):
+                        pass  # its shm extent was reused under us: bytes were not events
+                    elif isinstance(exc, KeyError | TypeError | ValueError):
+                        self.bad.record("bad-batch", str(exc))
+                    else:
+                        raise
                 if self.memory_limit_b and self._over_memory():
                     # recycle: end like at END (results, statistics, GOODBYE); the input
                     # sends what this worker still held elsewhere; the parent forks anew
@@ -129,8 +137,26 @@ class _Worker:
                 self._finish(msg.header.get("run"))
                 return 0
 
+    def _obsolete(self, header: dict[str, Any]) -> bool:
+        """Transport shm: if the message's extent was freed (every event of it is
+        confirmed already, see shm.py), return its credit and say so."""
+        try:
+            if "x" not in header or self.shm.current(header):
+                return False
+            n = len(header["u"]) // 8
+        except (KeyError, TypeError, ValueError):
+            return False
+        self.obsolete += n
+        self.dealer.send_multipart(encode_message(MsgType.READY, {"credit": n, "t": None}))
+        return True
+
     def _process(self, header: dict[str, Any], payload: Any) -> None:
-        received = [f.buffer for f in payload]
+        if "x" in header:  # transport shm: the frames are in the input's arena
+            received = self.shm.frames(header)
+            if self._obsolete(header):
+                return
+        else:
+            received = [f.buffer for f in payload]
         events, metas = unpack_batch_metas(header, received)
         if len(header["u"]) != 8 * len(events):
             raise ValueError(f"batch has {len(events)} events and {len(header['u'])} uid bytes")
@@ -197,7 +223,12 @@ class _Worker:
             kept_mask = bytearray(kept_mask[i] for i in rest)
         out["k"] = bytes(kept_mask)
         out["w"] = self.name
-        if kept_mask and as_received and header["p"]:
+        if kept_mask and as_received and "x" in header:
+            out["n"], out["p"] = header["n"], False  # the output reads the same arena
+            for key in ("x", "xo", "xl", "xh", "xg"):  # where (and which generation)
+                out[key] = header[key]
+            body, large = [], False
+        elif kept_mask and as_received and header["p"]:
             out["n"], out["p"], out["l"] = header["n"], True, header["l"]
             body = received  # the packed payload as it came: no repacking per event
             large = False
@@ -210,6 +241,8 @@ class _Worker:
         # a batch with no result left (every event failed) drops it: failed events'
         # fills must not count
         delta = self.deltas.take(chain.persistent) if chain.persistent else None
+        if "x" in header and self._obsolete(header):
+            return  # freed while we worked: results and fills of reused bytes go nowhere
         if kept_mask:
             if delta is not None:
                 out["d"] = len(delta)
@@ -250,6 +283,7 @@ class _Worker:
                     "name": self.name,
                     "stats": stats,
                     "in": self.events_in,
+                    "obsolete": self.obsolete,
                     "first_event_at": self.first_event_at,
                     "cpu_s": time.process_time(),
                 },

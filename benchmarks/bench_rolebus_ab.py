@@ -1,6 +1,7 @@
 """A/B: the 1 kB no-op event chain with and without the roles on the control bus.
 
     python benchmarks/bench_rolebus_ab.py [--base REV] [--repeats 5] [--events 100000]
+    python benchmarks/bench_rolebus_ab.py --startup [--base REV] [--repeats 10]
 
 A is the tree at git revision ``--base`` (default ``HEAD~1``, extracted with
 ``git archive`` into a temporary directory), B is this checkout's ``src``. Each run is
@@ -8,6 +9,8 @@ a fresh ``python`` process with that ``src`` on PYTHONPATH running ToyGenerator(
 -> BusyWork(0 ms) on 2 workers; runs alternate A, B, A, B, ... so both see the same
 machine load. Reported: best-of-N events/s, the input's and the output's CPU per
 event (lowest of N), their ratios B / A, and the median of the per-repeat rate ratios.
+``--startup``: 32 workers (each now opens a bus client), 2000 events; the medians of
+"start-up to first event" and "start-up of all workers" (every worker's HELLO).
 """
 
 from __future__ import annotations
@@ -43,6 +46,23 @@ print(json.dumps({
 """
 
 
+CHILD_STARTUP = """
+import json
+import evflow
+from evflow.io import BusyWork, ToyGenerator
+from evflow.processing.options import ProcessOptions
+from evflow.processing.parallel import run_parallel
+
+path = evflow.Path([ToyGenerator(n_events=2000, payload_bytes=1024), BusyWork(work_ms=0.0)])
+s = run_parallel(path, ProcessOptions(workers=32, quiet=True))
+print(json.dumps({
+    "first_s": s.counters["start-up to first event (s)"],
+    "all_s": s.counters["start-up of all workers (s)"],
+    "src": evflow.__file__,
+}))
+"""
+
+
 def extract(rev: str, into: Path) -> Path:
     """``src`` of git revision ``rev`` under ``into``."""
     archive = subprocess.run(
@@ -57,10 +77,10 @@ def extract(rev: str, into: Path) -> Path:
     return into / "src"
 
 
-def one(src: Path, n: int) -> dict[str, float]:
+def one(src: Path, n: int, code: str = CHILD) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(src)}
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, str(n)],
+        [sys.executable, "-c", code, str(n)],
         env=env,
         check=True,
         capture_output=True,
@@ -77,7 +97,11 @@ def main() -> None:
     parser.add_argument("--base", default="HEAD~1", help="git revision of A (default HEAD~1)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--events", type=int, default=100_000)
+    parser.add_argument("--startup", action="store_true", help="start-up of 32 workers")
     args = parser.parse_args()
+    if args.startup:
+        startup(args.base, args.repeats)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         a_src = extract(args.base, Path(tmp))
         b_src = ROOT / "src"
@@ -113,6 +137,22 @@ def main() -> None:
         f"x{low['B']['in_us'] / low['A']['in_us']:.3f}, output CPU "
         f"x{low['B']['out_us'] / low['A']['out_us']:.3f}"
     )
+
+
+def startup(base: str, repeats: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        srcs = {"A": extract(base, Path(tmp)), "B": ROOT / "src"}
+        rows: dict[str, list[dict[str, float]]] = {"A": [], "B": []}
+        for i in range(repeats):
+            for label in ("A", "B") if i % 2 == 0 else ("B", "A"):
+                rows[label].append(one(srcs[label], 0, CHILD_STARTUP))
+    print(f"\nstart-up, 32 workers, {repeats} runs each, interleaved; A = {base}, B = this tree")
+    print("     first event s (median)  all workers s (median)   all workers s (each)")
+    for k in ("A", "B"):
+        first = sorted(r["first_s"] for r in rows[k])
+        every = sorted(r["all_s"] for r in rows[k])
+        each = " ".join(f"{x:.2f}" for x in every)
+        print(f"  {k}  {first[len(first) // 2]:22.3f} {every[len(every) // 2]:22.3f}   {each}")
 
 
 if __name__ == "__main__":

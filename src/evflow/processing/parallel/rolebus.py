@@ -39,6 +39,9 @@ log = logging.getLogger("evflow.parallel.bus")
 TICK_S = 0.05
 #: an idle worker wakes at least this often (ms) to publish its metrics
 IDLE_WAIT_MS = 250
+#: the first metrics (a psutil snapshot, ~1.5 ms of CPU in a fresh fork) wait this
+#: long (s), so that 32 workers starting on 2 cores do not pay it while they start
+FIRST_METRICS_S = 1.0
 
 
 #: counters whose rates ProcessMetrics publishes (the rest goes to the reply as is)
@@ -69,6 +72,7 @@ class RoleBus:
         self.errors = 0
         self._extra: dict[str, Any] = {}
         self._next_s = 0.0
+        self._metrics_from_s = time.monotonic() + FIRST_METRICS_S
         self._poller: zmq.Poller | None = None
         self._polled: Any = None
         self.client: BusClient | None = None
@@ -159,7 +163,10 @@ class RoleBus:
         except Exception as exc:  # a bug in the role's counters: answer without them
             self._failed("counters", exc)
         try:
-            client.tick(self, now_s)
+            if now_s >= self._metrics_from_s:
+                client.tick(self, now_s)  # metrics when due, then commands
+            else:
+                client.poll(self)  # commands only (start-up)
         except Exception as exc:  # the bus must never take a role down
             self._failed("tick", exc)
 

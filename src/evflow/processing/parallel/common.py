@@ -7,6 +7,8 @@ A run's sockets are ipc files in the session directory, one name per channel:
 - ``back``    input ROUTER (bind)  <- output DEALER: HELLO, CONFIRM, GOODBYE / END
 - ``ctl``     parent ROUTER (bind) <- every role's DEALER: HELLO, STATE, RESULT / STOP,
   KILL, WORKER_LOST
+
+and every role is also a node on the run's control bus (``rolebus.py``).
 """
 
 from __future__ import annotations
@@ -19,9 +21,13 @@ import zmq
 
 from evflow.errors import EvflowError, ModuleError
 from evflow.processing.datastore import RunMeta
+from evflow.processing.parallel.rolebus import RoleBus
 from evflow.processing.parallel.split import SplitPath
+from evflow.runtime.states import State
 from evflow.transport.channel import Channel, ChannelConfig, open_channel
 from evflow.wire.messages import MsgType, encode_message
+
+__all__ = ["EXIT_ERROR", "RoleBus", "channel", "current_split", "run_role"]
 
 
 def channel(ctx: zmq.Context[Any], session: str, name: str, kind: str, method: str) -> Channel:
@@ -79,23 +85,27 @@ GC_THRESHOLDS = (50_000, 20, 100)
 
 def run_role(
     role: str,
-    body: Callable[[zmq.Context[Any], list[Channel]], int],
+    session: str,
+    body: Callable[[zmq.Context[Any], list[Channel], RoleBus], int],
     on_error: Callable[[], None] | None = None,
 ) -> int:
     """Run a forked role's ``body`` in its own zmq context; return its exit code.
 
-    ``body`` opens its channels into the list it is given, the ctl channel first. An
-    EvflowError becomes one STATE ERROR message to the parent on ctl (after
-    ``on_error``, e.g. closing writers) and exit code EXIT_ERROR; every channel and
-    the context are closed whatever happens.
+    ``body`` opens its channels into the list it is given, the ctl channel first, and
+    gets the role's node on the run's control bus (rolebus.py; closed here, EXITING,
+    or ERROR on a failure). An EvflowError becomes one STATE ERROR message to the
+    parent on ctl (after ``on_error``, e.g. closing writers) and exit code EXIT_ERROR;
+    every channel and the context are closed whatever happens.
     """
     gc.freeze()  # what the zygote imported is never garbage: keep it out of every scan
     gc.set_threshold(*GC_THRESHOLDS)
     ctx = zmq.Context()
     channels: list[Channel] = []
+    bus = RoleBus(ctx, session, role)
     try:
-        return body(ctx, channels)
+        return body(ctx, channels, bus)
     except EvflowError as exc:
+        bus.set_state(State.ERROR)
         if on_error is not None:
             on_error()
         if not channels:
@@ -104,7 +114,11 @@ def run_role(
         ctl.send_multipart(error_message(role, exc))
         ctl.linger = 2000  # the parent must hear why
         return EXIT_ERROR
+    except Exception:
+        bus.set_state(State.ERROR)
+        raise
     finally:
+        bus.close()
         for ch in channels:
             ch.close(linger_ms=ch.socket.linger)
         ctx.term()

@@ -42,7 +42,7 @@ from evflow.processing.parallel.batching import (
     u64,
 )
 from evflow.processing.parallel.checkpoint import CheckpointFile, CheckpointWriter
-from evflow.processing.parallel.common import channel, current_split, run_role
+from evflow.processing.parallel.common import RoleBus, channel, current_split, run_role
 from evflow.processing.parallel.fastpath import encoded_source, read_encoded
 from evflow.processing.parallel.ledger import Failure, Ledger, LedgerEntry
 from evflow.processing.parallel.persist import encode_persistent
@@ -88,12 +88,13 @@ def input_main(session: str, options: dict[str, Any]) -> int:
     """Entry point in the forked input process; returns the exit code."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent relays interrupts
 
-    def body(ctx: zmq.Context[Any], channels: list[Any]) -> int:
+    def body(ctx: zmq.Context[Any], channels: list[Any], bus: RoleBus) -> int:
         role = _Input(ctx, session, options, channels)
         signal.signal(signal.SIGTERM, role.on_term)
-        return role.run()
+        bus.counters = role.bus_counters
+        return role.run(bus)
 
-    return run_role("input", body)
+    return run_role("input", session, body)
 
 
 class _Input:
@@ -169,8 +170,9 @@ class _Input:
         self.abort = True
 
     # --- main loop ----------------------------------------------------------------------
-    def run(self) -> int:
+    def run(self, bus: RoleBus) -> int:
         self.chain.initialize()
+        bus.running()
         try:
             fast = encoded_source(self.chain, self.start_position)
             self.encoded = fast is not None
@@ -196,6 +198,7 @@ class _Input:
                 if self.checkpoint is not None and self.checkpoint.due():
                     self.checkpoint.maybe_write(*self._checkpoint_point())
                 self._maybe_end()
+                bus.tick()  # time-gated: the control bus (rolebus.py)
             if self.checkpoint is not None:  # everything confirmed: where a resume starts
                 self.checkpoint.write_now(*self._checkpoint_point())
         finally:
@@ -223,6 +226,27 @@ class _Input:
         self.ctl.send_multipart(encode_message(MsgType.RESULT, result))
         self.ctl.linger = 2000
         return 0
+
+    def bus_counters(self) -> dict[str, Any]:
+        """The input's counters for the control bus (rolebus.py), at most per tick."""
+        sent = self.next_seq - self.start_seq
+        return {
+            "events_in": self.read,
+            "events_out": sent,
+            "messages_out": self.next_bid,
+            "read": self.read,
+            "dropped": self.dropped,
+            "sent": sent,
+            "batches": self.next_bid,
+            "ledger": len(self.ledger),
+            "in_flight": sum(s.inflight for s in self.workers.values()),
+            "resend_queue": len(self.resend),
+            "quarantined": self.quarantined,
+            "workers": sorted(s.name for s in self.workers.values()),
+            "exhausted": self.exhausted,
+            "stopping": self.stopping,
+            "bad_messages": self.bad.total,
+        }
 
     def _drain(self, sock: zmq.Socket[Any], handler: Any) -> None:
         while True:

@@ -28,6 +28,7 @@ from evflow.processing.datastore import FLAG_QUARANTINED, QUARANTINE_REASON
 from evflow.processing.parallel.batching import from_u64, unpack_batch
 from evflow.processing.parallel.checkpoint import open_writers_for_append
 from evflow.processing.parallel.common import (
+    RoleBus,
     channel,
     current_split,
     run_of,
@@ -59,16 +60,17 @@ def output_main(session: str, options: dict[str, Any]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent relays interrupts
     roles: list[_Output] = []
 
-    def body(ctx: zmq.Context[Any], channels: list[Any]) -> int:
+    def body(ctx: zmq.Context[Any], channels: list[Any], bus: RoleBus) -> int:
         roles.append(_Output(ctx, session, options, channels))
         signal.signal(signal.SIGTERM, roles[0].on_term)
-        return roles[0].run()
+        bus.counters = roles[0].bus_counters
+        return roles[0].run(bus)
 
     def close_writers() -> None:
         for role in roles:
             role.chain.abort()  # writers closed: what was written stays readable
 
-    return run_role("output", body, close_writers)
+    return run_role("output", session, body, close_writers)
 
 
 class _Output:
@@ -137,8 +139,9 @@ class _Output:
         self.abort = True
 
     # --- main loop ----------------------------------------------------------------------
-    def run(self) -> int:
+    def run(self, bus: RoleBus) -> int:
         self.chain.initialize()
+        bus.running()
         self.back.send_multipart(encode_message(MsgType.HELLO, self.hello))
         poller = zmq.Poller()
         for s in (self.pull, self.back, self.ctl):
@@ -150,6 +153,7 @@ class _Output:
             now = time.monotonic()
             if self.progress.due(now):
                 self.progress.update(self.events_done, now)
+            bus.tick(now)  # time-gated: the control bus (rolebus.py)
             if self.abort:
                 self.progress.stop(self.events_done)
                 self.chain.abort()  # terminate the writers: files closed, readable
@@ -163,6 +167,21 @@ class _Output:
             if self.end is not None and self._results_complete():
                 self._finish()
                 return 0
+
+    def bus_counters(self) -> dict[str, Any]:
+        """The output's counters for the control bus (rolebus.py), at most per tick."""
+        return {
+            "events_in": self.events_done,
+            "events_out": self.written,
+            "written": self.written,
+            "dropped": self.dropped,
+            "quarantined": self.quarantined,
+            "duplicates": self.seen.duplicates_dropped,
+            "written_not_confirmed": self.pending_n,
+            "worker_results": len(self.results),
+            "end_received": self.end is not None,
+            "bad_messages": self.bad.total,
+        }
 
     def _drain(self, sock: zmq.Socket[Any]) -> None:
         while True:

@@ -1,0 +1,379 @@
+"""The roles of a parallel run (input, output, workers) are nodes on its control bus.
+
+Each test starts a real parallel run in a subprocess (a steering script), talks to
+it over its bus like ``evflow ctl`` does, and stops it with SIGTERM (exit 143, files
+closed). conftest fails the test if a process or ipc file outlives it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from evflow.errors import TimeoutError_
+from evflow.processing.parallel.rolebus import FIRST_METRICS_S, RoleBus, node_id_of
+from evflow.runtime.bus import BusController, BusEndpoints, BusProxy, find_bus_sessions
+from evflow.runtime.busclient import open_bus_sockets
+from evflow.wire.messages import MsgType, decode_message, encode_message
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+STEERING = """
+import sys
+import time
+
+import evflow
+from evflow import Module, Param
+from evflow.io import BusyWork, ToyGenerator
+
+
+class FailsToStart(Module):
+    "Parallel: initialize waits a moment (the test listens by then), then fails."
+
+    parallel = True
+    fail = Param(bool, False, "raise in initialize")
+
+    def initialize(self):
+        if self.fail:
+            time.sleep(1.0)
+            raise RuntimeError("detector geometry not found")
+
+
+class SlowInput(Module):
+    "Serial (input path): sleeps per event, so the workers wait idle for events."
+
+    sleep_ms = Param(float, 0.0, "sleep per event, ms")
+
+    def event(self, store):
+        time.sleep(self.sleep_ms / 1000)
+
+
+path = evflow.Path([
+    ToyGenerator(n_events=1_000_000, payload_bytes=100),
+    SlowInput(sleep_ms={input_sleep_ms}),
+    BusyWork(work_ms={work_ms}),
+    FailsToStart(fail={fail}),
+])
+evflow.process(path, workers={workers}, quiet=True)
+"""
+
+
+class Run:
+    """A parallel run in a subprocess plus a controller and a STATE listener on its bus."""
+
+    def __init__(
+        self, tmp_path: Path, workers: int, work_ms: float, input_sleep_ms: float, fail: bool
+    ):
+        script = tmp_path / "steer.py"
+        script.write_text(
+            STEERING.format(
+                workers=workers, work_ms=work_ms, input_sleep_ms=input_sleep_ms, fail=fail
+            )
+        )
+        env = {**os.environ, "PYTHONPATH": SRC}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        self.session = self._wait_for_bus(10.0)
+        self.endpoints = BusEndpoints.for_session(self.session)
+        self.ctl = BusController(self.ctx, self.endpoints)
+        self.states: list[tuple[str, str]] = []  # (node, state) as published
+        self._stop = threading.Event()
+        self._listener = threading.Thread(target=self._listen, daemon=True)
+        self._listener.start()
+
+    def _wait_for_bus(self, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            found = find_bus_sessions()
+            if found:
+                return found[0]
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.02)
+        self.proc.kill()
+        _, err = self.proc.communicate(timeout=10)
+        raise AssertionError(f"the run's bus did not appear: {err[-2000:]}")
+
+    def _listen(self) -> None:
+        pub, sub = open_bus_sockets(self.ctx, self.endpoints, "test", (MsgType.STATE,))
+        pub.close(0)
+        try:
+            while not self._stop.is_set():
+                if not sub.socket.poll(50):
+                    continue
+                msg = decode_message(sub.socket.recv_multipart())
+                self.states.append((str(msg.header["from"]), str(msg.header["state"])))
+        finally:
+            sub.close(0)
+
+    def states_of(self) -> dict[str, str]:
+        """Every node that answers check-state -> its state."""
+        replies = self.ctl.request("check-state", "*", timeout_s=1.0)
+        return {r["from"]: r["data"]["node_state"] for r in replies if r.get("ok")}
+
+    def wait_all(self, expected: dict[str, str], timeout_s: float) -> dict[str, str]:
+        deadline = time.monotonic() + timeout_s
+        seen: dict[str, str] = {}
+        while time.monotonic() < deadline:
+            seen = self.states_of()
+            if all(seen.get(k) == v for k, v in expected.items()):
+                return seen
+        raise AssertionError(f"expected {expected}, the bus has {seen}")
+
+    def metrics(self, node: str) -> dict[str, Any]:
+        reply = self.ctl.request("get-metrics", node, timeout_s=2.0)[0]
+        assert reply["ok"], reply
+        return dict(reply["data"])
+
+    def stop(self, timeout_s: float = 20.0) -> tuple[int, str]:
+        """SIGTERM the run (if still running); its exit code and stderr."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            _, err = self.proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate(timeout=10)
+            raise AssertionError(
+                f"the run did not stop within {timeout_s} s: {err[-2000:]}"
+            ) from None
+        return self.proc.returncode, err
+
+    def close(self) -> None:
+        if self.proc.poll() is None:  # a failed test: stop the run, cleanly if it can
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.communicate(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.communicate(timeout=10)
+        self._stop.set()
+        self._listener.join(timeout=5)
+        self.ctl.close()
+        self.ctx.term()
+
+
+@pytest.fixture
+def start_run(tmp_path: Path) -> Iterator[Any]:
+    runs: list[Run] = []
+
+    def start(
+        workers: int = 2, work_ms: float = 20.0, input_sleep_ms: float = 0.0, fail: bool = False
+    ) -> Run:
+        runs.append(Run(tmp_path, workers, work_ms, input_sleep_ms, fail))
+        return runs[-1]
+
+    yield start
+    for run in runs:
+        run.close()
+
+
+@pytest.mark.timeout(40)
+def test_every_role_answers_check_state_and_get_metrics_during_a_run(start_run):
+    run = start_run(workers=2, work_ms=20.0)
+    roles = {"input", "output", "worker-0", "worker-1", "parallel"}
+    states = run.wait_all(dict.fromkeys(roles, "RUNNING"), timeout_s=15.0)
+    assert roles | {"bus"} == set(states), states  # one node per role, no stray ids
+
+    first = run.metrics("worker-0")
+    time.sleep(0.5)
+    second = run.metrics("worker-0")
+    assert second["role"] == "worker" and second["process_name"] == "worker-0"
+    assert second["events_in"] > first["events_in"] > 0  # it works on events meanwhile
+    assert second["pid"] == first["pid"] != os.getpid()
+    assert second["cpu"] > 0
+
+    inp = run.metrics("input")
+    assert inp["role"] == "input" and inp["read"] >= inp["sent"] > 0
+    assert inp["ledger"] > 0 and inp["in_flight"] > 0  # events out at the workers
+    assert inp["workers"] == ["worker-0", "worker-1"]
+    out = run.metrics("output")
+    assert out["role"] == "output" and out["written"] > 0 and out["duplicates"] == 0
+    assert out["events_out"] == out["written"]
+
+    # `evflow ctl` finds the run's bus by itself and lists every role
+    env = {**os.environ, "PYTHONPATH": SRC}
+    cli = [sys.executable, "-m", "evflow", "ctl"]
+    done = subprocess.run(
+        [*cli, "check-state"], env=env, capture_output=True, text=True, timeout=20
+    )
+    assert done.returncode == 0, done.stderr
+    listed = {d["node_id"]: d["node_state"] for d in json.loads(done.stdout)}
+    assert listed == {**dict.fromkeys(roles, "RUNNING"), "bus": "RUNNING"}, listed
+    done = subprocess.run(
+        [*cli, "get-metrics", "output"], env=env, capture_output=True, text=True, timeout=20
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["written"] >= out["written"]
+
+    code, err = run.stop()
+    assert code == 143, err
+    time.sleep(0.2)  # the listener drains what the proxy forwarded last
+    last: dict[str, str] = {}
+    for node, state in run.states:
+        last[node] = state
+    # every role said goodbye on the bus before its process ended
+    for role in ("input", "output", "worker-0", "worker-1"):
+        assert last.get(role) == "EXITING", (role, run.states)
+    assert find_bus_sessions() == []  # the run's bus went with it
+
+
+@pytest.mark.timeout(40)
+def test_killed_worker_is_replaced_and_answers_under_the_same_name(start_run):
+    run = start_run(workers=2, work_ms=20.0)
+    run.wait_all({"worker-0": "RUNNING", "worker-1": "RUNNING"}, timeout_s=15.0)
+    old = run.metrics("worker-1")
+    os.kill(old["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 15.0
+    new: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        try:
+            new = run.metrics("worker-1")
+        except TimeoutError_:
+            continue
+        if new["pid"] != old["pid"] and new["node_state"] == "RUNNING" and new["events_in"]:
+            break
+        time.sleep(0.05)
+    assert new.get("pid") != old["pid"], new
+    assert new["process_name"] == "worker-1.1"  # the engine's name for the replacement
+    assert new["node_state"] == "RUNNING" and new["events_in"] > 0
+    parallel = run.ctl.request("get-run", "parallel", timeout_s=2.0)[0]["data"]
+    assert parallel["workers restarted"] == 1
+    code, err = run.stop()
+    assert code == 143, err
+
+
+@pytest.mark.timeout(40)
+def test_idle_workers_answer_at_once_and_refuse_what_they_do_not_take(start_run):
+    # a slow serial input path (3 ms per event, batches of ~1000 events): the workers
+    # wait for events nearly all the time, blocked in the bus-aware wait
+    run = start_run(workers=2, work_ms=0.0, input_sleep_ms=3.0)
+    run.wait_all({"worker-0": "RUNNING", "worker-1": "RUNNING"}, timeout_s=15.0)
+    t0 = time.monotonic()
+    for _ in range(5):
+        assert run.ctl.request("ping", "worker-0", timeout_s=2.0)[0]["ok"]
+    assert (time.monotonic() - t0) / 5 < 0.3  # an idle worker answers at once
+    # what a role does not take is one clear refusal, and the role goes on answering
+    refused = run.ctl.request("transition", "worker-0", {"transition": "STOP"})[0]
+    assert not refused["ok"] and "does not take transitions" in refused["error"]
+    unknown = run.ctl.request("frobnicate", "output")[0]
+    assert not unknown["ok"] and "unknown command" in unknown["error"]
+    assert run.ctl.request("check-state", "output")[0]["data"]["node_state"] == "RUNNING"
+    code, err = run.stop()
+    assert code == 143, err
+
+
+@pytest.mark.timeout(40)
+def test_a_worker_that_fails_to_start_publishes_error(start_run):
+    run = start_run(workers=2, fail=True)
+    deadline = time.monotonic() + 15.0
+    while time.monotonic() < deadline and run.proc.poll() is None:
+        time.sleep(0.05)
+    code, err = run.stop()
+    assert code == 1 and "detector geometry not found" in err, err
+    time.sleep(0.2)
+    worker_states = [(n, st) for n, st in run.states if n.startswith("worker")]
+    assert ("worker-0", "ERROR") in worker_states or ("worker-1", "ERROR") in worker_states, (
+        run.states
+    )
+    # a failed role stays ERROR on the bus: it never says EXITING after it
+    for node in ("worker-0", "worker-1"):
+        mine = [st for n, st in run.states if n == node]
+        if "ERROR" in mine:
+            assert mine[-1] == "ERROR", mine
+    assert find_bus_sessions() == []
+
+
+# --- RoleBus alone ------------------------------------------------------------------------
+def test_node_id_of_keeps_a_worker_slot_name_across_replacements():
+    assert node_id_of("worker-3") == "worker-3"
+    assert node_id_of("worker-3.2") == "worker-3"
+    assert node_id_of("input") == "input"
+
+
+@pytest.mark.timeout(20)
+def test_role_bus_survives_bad_commands_and_a_failing_counter():
+    ctx: zmq.Context[Any] = zmq.Context()
+    proxy = BusProxy(ctx, "rb-test")
+    proxy.start_thread()
+    bus = RoleBus(ctx, "rb-test", "worker-7.1")
+    calls = {"n": 0}
+
+    def counters() -> dict[str, Any]:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("a bug in a role's counters")
+        return {"events_in": 5 * calls["n"], "events_out": 3, "held": 1}
+
+    bus.counters = counters
+    bus.set_state("RUNNING")
+    ctl = BusController(ctx, proxy.endpoints)
+    stop = threading.Event()
+
+    def serve() -> None:
+        data = ctx.socket(zmq.PULL)  # never readable: the role is idle
+        data.linger = 0
+        try:
+            while not stop.is_set():
+                bus.wait(data, 20)
+        finally:
+            data.close()
+
+    server = threading.Thread(target=serve, daemon=True)
+    try:
+        server.start()
+        # wire-valid but nonsense commands: args not a map, no cmd at all
+        raw, raw_sub = open_bus_sockets(ctx, proxy.endpoints, "raw", ())
+        raw_sub.close(0)
+        for header in ({"cmd": "ping", "to": "worker-7", "args": [1, 2]}, {"to": "*"}):
+            raw.socket.send_multipart(encode_message(MsgType.COMMAND, header))
+        raw.socket.send(b"\xff not a message")  # dropped by the proxy, counted there
+        raw.close(0)
+        reply = ctl.request("get-metrics", "worker-7", timeout_s=5.0)[0]
+        assert reply["ok"] and reply["data"]["process_name"] == "worker-7.1"
+        reply = ctl.request("get-metrics", "worker-7", timeout_s=5.0)[0]
+        assert reply["ok"]
+        data = reply["data"]
+        assert data["bus_errors"] >= 1  # the failing counter was counted, not raised
+        assert data["held"] == 1 and data["events_out"] == 3
+        assert ctl.request("check-state", "worker-7")[0]["data"]["node_state"] == "RUNNING"
+    finally:
+        stop.set()
+        server.join(timeout=5)
+        bus.close()
+        ctl.close()
+        proxy.close()
+        ctx.term()
+    assert bus.state == "EXITING" and bus.client is None
+
+
+def test_role_bus_without_a_proxy_never_blocks_the_role():
+    ctx: zmq.Context[Any] = zmq.Context()
+    try:
+        bus = RoleBus(ctx, "no-such-session", "input")  # nobody listens
+        bus.counters = lambda: {"events_in": 1}
+        t0 = time.monotonic()
+        for i in range(2000):  # past the first-metrics delay, each call does the work
+            bus.tick(t0 + FIRST_METRICS_S + i)
+        bus.close()
+        assert time.monotonic() - t0 < 5.0
+        assert bus.errors == 0
+    finally:
+        ctx.term()

@@ -12,7 +12,8 @@
   side by side with a raw pyzmq ROUTER -> DEALER -> PUSH/PULL chain (same processes,
   same payload bytes, one message per event, credit 4, nothing else); each size runs
   twice, interleaved: without (EVFLOW_NO_FASTPATH=1) and with the encoded-event fast
-  path, so that the ratio is measured under the same load (``--serial``: only this);
+  path, and the fast path with transport="shm", so that the ratios are measured under
+  the same load (``--serial``: only this);
 - start-up: seconds from ``run_parallel`` to the first event processed and to every
   worker's HELLO, for 2, 8 and 32 workers (in-process; the python interpreter's own
   start and imports are measured separately).
@@ -37,9 +38,9 @@ from evflow.processing.parallel import run_parallel
 from evflow.processing.parallel.fastpath import ENV_DISABLE
 
 
-def run(n: int, payload: int, work_ms: float, workers: int) -> Any:
+def run(n: int, payload: int, work_ms: float, workers: int, transport: str = "zmq") -> Any:
     path = evflow.Path([ToyGenerator(n_events=n, payload_bytes=payload), BusyWork(work_ms=work_ms)])
-    return run_parallel(path, ProcessOptions(workers=workers, quiet=True))
+    return run_parallel(path, ProcessOptions(workers=workers, quiet=True, transport=transport))
 
 
 # --- speedup --------------------------------------------------------------------------------
@@ -84,14 +85,14 @@ def plot_speedup(results: dict[float, dict[int, float]], out: FsPath) -> None:
 SIZES = ((1024, 100_000), (100_000, 10_000), (1_000_000, 2_000))
 
 
-def _evflow_row(n: int, size: int, fast: bool) -> dict[str, float]:
+def _evflow_row(n: int, size: int, fast: bool, transport: str = "zmq") -> dict[str, float]:
     """One no-op chain run; ``fast=False`` sets EVFLOW_NO_FASTPATH (the old path)."""
     if fast:
         os.environ.pop(ENV_DISABLE, None)
     else:
         os.environ[ENV_DISABLE] = "1"
     try:
-        s = run(n, size, 0.0, 2)
+        s = run(n, size, 0.0, 2, transport)
     finally:
         os.environ.pop(ENV_DISABLE, None)
     return {
@@ -112,29 +113,32 @@ def serial_and_chain(quick: bool) -> list[dict[str, Any]]:
         for rep in (1, 2):
             before = _evflow_row(n, size, fast=False)
             after = _evflow_row(n, size, fast=True)
+            shm = _evflow_row(n, size, fast=True, transport="shm")
             raw_s = raw_chain(n, size, workers=2)
             rows.append(
-                {"size": size, "n": n, "rep": rep, "before": before, "after": after,
+                {"size": size, "n": n, "rep": rep, "before": before, "after": after, "shm": shm,
                  "raw_rate": n / raw_s, "raw_gbs": n * size / raw_s / 1e9}
             )  # fmt: skip
     print("\nchain with 2 no-op workers vs raw pyzmq (same bytes), serial CPU per event;")
     print("before = EVFLOW_NO_FASTPATH=1 (input encodes stores, workers decode every event)")
+    print("shm = the fast path with transport='shm' (large events through shared memory)")
     print(
         " size     rep  path      ev/s      GB/s   raw ev/s  raw GB/s  /raw"
         "  input us/ev  output us/ev  workers us/ev"
     )
     for r in rows:
-        for label in ("before", "after"):
+        for label in ("before", "after", "shm"):
             e = r[label]
             print(
                 f"{r['size']:>9,} {r['rep']:>2}  {label:<6} {e['rate']:>10,.0f} {e['gbs']:6.3f} "
                 f"{r['raw_rate']:>10,.0f} {r['raw_gbs']:6.3f} {e['rate'] / r['raw_rate']:6.2f}"
                 f" {e['in_us']:11.1f} {e['out_us']:12.1f} {e['work_us']:13.1f}"
             )
-        b, a = r["before"], r["after"]
+        b, a, m = r["before"], r["after"], r["shm"]
         print(
             f"{'':>9}     after/before: rate x{a['rate'] / b['rate']:.2f}, "
-            f"input CPU x{a['in_us'] / b['in_us']:.2f}"
+            f"input CPU x{a['in_us'] / b['in_us']:.2f}; "
+            f"shm/after: rate x{m['rate'] / a['rate']:.2f}"
         )
     return rows
 

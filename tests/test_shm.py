@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path as FsPath
 from typing import Any
 
@@ -316,3 +318,34 @@ def test_cli_transport_shm_runs_a_steering_file(tmp_path: FsPath) -> None:
         timeout=60,
     )
     assert bad.returncode == 2 and "invalid choice: 'udp'" in bad.stderr
+
+
+_KILL9_SHM_RUN = """
+import sys, evflow
+from evflow.io import BusyWork, ToyGenerator
+path = evflow.Path([ToyGenerator(n_events=100_000, payload_bytes=200_000), BusyWork(work_ms=5)])
+evflow.process(path, workers=2, quiet=True, transport="shm")
+"""
+
+
+def _segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("evflow-")}
+
+
+@pytest.mark.chaos
+def test_the_segment_of_a_run_killed_with_kill_9_is_removed_by_the_next_run() -> None:
+    before = _segments()
+    proc = subprocess.Popen([sys.executable, "-c", _KILL9_SHM_RUN], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not _segments() - before and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.3)  # events in flight through it
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # parent, zygote and roles: nobody cleans up
+        proc.wait(timeout=10)
+    left = _segments() - before
+    assert left, "the killed run never made its arena"
+    path = Path([ToyGenerator(n_events=20, payload_bytes=100_000), BusyWork()])
+    evflow.process(path, workers=1, quiet=True, transport="shm")
+    assert not (_segments() & left), "the next run left the dead run's segment behind"

@@ -332,6 +332,18 @@ def _segments() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("evflow-")}
 
 
+def _mapped(name: str) -> bool:
+    """True while a running process maps /dev/shm/``name``."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                if f"/dev/shm/{name}" in maps.read():
+                    return True
+        except OSError:
+            continue
+    return False
+
+
 @pytest.mark.chaos
 def test_the_segment_of_a_run_killed_with_kill_9_is_removed_by_the_next_run() -> None:
     before = _segments()
@@ -346,6 +358,11 @@ def test_the_segment_of_a_run_killed_with_kill_9_is_removed_by_the_next_run() ->
         proc.wait(timeout=10)
     left = _segments() - before
     assert left, "the killed run never made its arena"
+    # its roles die with their parent (PDEATHSIG), a moment later under load; until
+    # then the run is not dead yet and nothing may remove its files
+    deadline = time.monotonic() + 15
+    while any(_mapped(name) for name in left) and time.monotonic() < deadline:
+        time.sleep(0.05)
     path = Path([ToyGenerator(n_events=20, payload_bytes=100_000), BusyWork()])
     evflow.process(path, workers=1, quiet=True, transport="shm")
     assert not (_segments() & left), "the next run left the dead run's segment behind"

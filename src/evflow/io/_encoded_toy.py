@@ -13,8 +13,8 @@ codec never produces different events, only slower ones).
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, overload
 
 import msgpack
 import numpy as np
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from evflow.io.generators import ToyGenerator
 
 EncodedEvent = tuple[int, int, int, list[Any]]
-EncodedBatch = tuple[list[int], int, int, list[list[Any]]]
+EncodedBatch = tuple[list[int], int, int, Sequence[list[Any]]]
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
@@ -99,12 +99,14 @@ class ToyEncoder:
         del parts[4]
         return [b"".join(parts), payload]
 
-    def chunk(self, start: int, stop: int) -> list[list[Any]]:
+    def chunk(self, start: int, stop: int) -> Sequence[list[Any]]:
         """The frames of the events ``start .. stop - 1``, built with numpy in one go.
 
         All positions must have the same msgpack int width (see :func:`_width_stop`).
         The header frames are memoryviews into one array per chunk (~0.5 µs per 1 kB
-        event instead of ~2 µs for :meth:`frames`).
+        event instead of ~2 µs for :meth:`frames`). Inline events (one frame each) come
+        as :class:`RowEvents`: the frames are made only when asked, and the input's
+        fast path packs a batch from the rows without looking at single events.
         """
         k = stop - start
         pos = np.arange(start, stop, dtype=np.uint64)
@@ -150,13 +152,44 @@ class ToyEncoder:
             rows[:, col : col + n] = p
             col += n
         flat = rows.reshape(-1).data
-        heads = [flat[a : a + width] for a in range(0, k * width, width)]
         if self.inline:
-            return [[head] for head in heads]
+            return RowEvents(flat, width, k)
+        heads = [flat[a : a + width] for a in range(0, k * width, width)]
         block, size = self.block, self.nbytes
         return [
             [head, block[o : o + size]] for head, o in zip(heads, offsets.tolist(), strict=True)
         ]
+
+
+class RowEvents(Sequence[list[Any]]):
+    """Single-frame events of ``width`` bytes each, back to back in ``buffer``.
+
+    A sequence of frame lists like any chunk (``[memoryview]`` per event, made when
+    asked); ``contiguous`` ``(buffer, width)`` lets the input take a run of them as
+    one slice (``fastpath.read_encoded``).
+    """
+
+    __slots__ = ("_n", "contiguous")
+
+    def __init__(self, buffer: memoryview, width: int, n: int) -> None:
+        self.contiguous = (buffer, width)
+        self._n = n
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, i: int) -> list[Any]: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[list[Any]]: ...
+    def __getitem__(self, i: int | slice) -> list[Any] | list[list[Any]]:
+        buffer, width = self.contiguous
+        if isinstance(i, slice):
+            return [[buffer[a * width : (a + 1) * width]] for a in range(*i.indices(self._n))]
+        if not -self._n <= i < self._n:
+            raise IndexError(f"event {i} of a chunk of {self._n}")
+        i %= self._n
+        return [buffer[i * width : (i + 1) * width]]
 
 
 _META_DTYPE = np.dtype(
@@ -192,7 +225,7 @@ def _int_columns(pos: np.ndarray, first: int) -> np.ndarray:
 CHUNK_EVENTS = 256
 
 
-def _same(a: list[Any], b: list[Any]) -> bool:
+def _same(a: Sequence[Any], b: Sequence[Any]) -> bool:
     return len(a) == len(b) and all(bytes(x) == bytes(y) for x, y in zip(a, b, strict=True))
 
 
@@ -210,11 +243,11 @@ def encoded_toy_batches(
     if start >= n_events:
         return
     reference = encode_event(gen.make_event(start))
-    chunk: Callable[[int, int], list[list[Any]]] = enc.chunk
+    chunk: Callable[[int, int], Sequence[list[Any]]] = enc.chunk
     if not _same(chunk(start, start + 1)[0], reference) or not _same(enc.frames(start), reference):
         slow = _slow_frames(gen)  # the codec changed: stay correct, only slower
 
-        def slow_chunk(first: int, stop: int) -> list[list[Any]]:
+        def slow_chunk(first: int, stop: int) -> Sequence[list[Any]]:
             return [slow(p) for p in range(first, stop)]
 
         chunk = slow_chunk

@@ -105,7 +105,7 @@ class PackedEvents(Sequence[list[memoryview]]):
 
     __slots__ = ("_blob", "_counts", "_lengths", "_starts")
 
-    def __init__(self, blob: bytes, counts: bytes, lengths: bytes) -> None:
+    def __init__(self, blob: bytes | memoryview, counts: bytes, lengths: bytes) -> None:
         self._blob = blob
         self._counts = counts
         self._lengths = lengths
@@ -115,7 +115,7 @@ class PackedEvents(Sequence[list[memoryview]]):
         return len(self._counts) // 2  # u16 per event
 
     @property
-    def blob(self) -> bytes:
+    def blob(self) -> bytes | memoryview:
         """The events' frames back to back."""
         return self._blob
 

@@ -181,6 +181,7 @@ def _packed(parts: list[tuple[Sequence[Any], int, int]], n: int) -> PackedEvents
         buffer, width = contiguous
         pieces.append(buffer[offset * width : end * width])
         widths.append(np.full(end - offset, width, dtype=np.uint32))
-    lengths = np.concatenate(widths) if len(widths) > 1 else widths[0]
     counts = np.ones(n, dtype=np.uint16).tobytes()
-    return PackedEvents(b"".join(pieces), counts, lengths.tobytes())
+    if len(pieces) == 1:  # a slice of one chunk: sent (and kept by the ledger) as is
+        return PackedEvents(pieces[0], counts, widths[0].tobytes())
+    return PackedEvents(b"".join(pieces), counts, np.concatenate(widths).tobytes())

@@ -302,6 +302,11 @@ class Ledger:
                     wb = self._wbatches.get(batch.worker)
                     if wb is not None:
                         wb.pop(batch.send, None)
+                    batch.frames = ()  # done: its bytes go now, not when the order is trimmed
+        if done:
+            # finished records at the head of the order go too (else a run without a
+            # checkpoint or --ordered kept every batch it ever sent until its end)
+            self.checkpoint_position()
         self._confirmed += done
         if len(self._recent) > self.RECENT_CONFIRMS:
             self._recent_old, self._recent = self._recent, set()

@@ -169,19 +169,27 @@ class ToyEncoder:
         width = sum(p if type(p) is int else len(p) if type(p) is bytes else p.shape[1]
                     for p in pieces)  # fmt: skip
         rows = self._buffer(k * width).reshape(k, width)
+        columns = []  # (first column, width, bytes per row or None for the payload)
         col = 0
         for p in pieces:
-            if type(p) is int:  # the payload bytes, each event at its own offset
-                if p:  # one p-byte item per event, gathered into the rows' payload column
-                    into = np.ndarray((k,), self.payloads.dtype, rows, col, (width,))
-                    into[...] = self.payloads[offsets.astype(np.intp)]
-                col += p
-                continue
+            n = p if type(p) is int else len(p) if type(p) is bytes else p.shape[1]
             if type(p) is bytes:
                 p = np.frombuffer(p, dtype=np.uint8)
-            n = p.shape[-1]
-            rows[:, col : col + n] = p
+            columns.append((col, n, None if type(p) is int else p))
             col += n
+        index = offsets.astype(np.intp)
+        # row blocks that stay in the cache while every column is written into them
+        for a in range(0, k, FILL_ROWS):
+            b = min(k, a + FILL_ROWS)
+            for col, n, p in columns:
+                if p is None:  # the payload: one p-byte item per event, gathered
+                    if n:
+                        into = np.ndarray((b - a,), self.payloads.dtype, rows[a:b], col, (width,))
+                        into[...] = self.payloads[index[a:b]]
+                elif p.ndim == 1:  # the same bytes in every row
+                    rows[a:b, col : col + n] = p
+                else:
+                    rows[a:b, col : col + n] = p[a:b]
         flat = rows.reshape(-1).data
         if self.inline:
             return RowEvents(flat, width, k)
@@ -256,6 +264,8 @@ def _int_columns(pos: np.ndarray, first: int) -> np.ndarray:
 POOL_BUFFERS = 16
 #: events built per numpy chunk
 CHUNK_EVENTS = 256
+#: rows of a chunk filled at a time (~300 kB at 1 kB: they stay in the cache)
+FILL_ROWS = 256
 #: ... when the source burns no CPU per event: larger chunks hold most of the input's
 #: batches whole (a batch then goes out as a slice of one chunk, not joined)
 CHUNK_EVENTS_FREE = 4096

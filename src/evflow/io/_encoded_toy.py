@@ -59,7 +59,9 @@ class ToyEncoder:
         self.window = window
         self.nbytes = int(gen.payload_bytes)
         self.block_np = gen._block
-        self._pool: list[np.ndarray] = []  # chunk buffers, reused once nobody holds them
+        self._pool: list[np.ndarray] = [np.empty(1, dtype=np.uint8)]
+        self._free_refs = self._refs(0)  # what a buffer only the pool holds counts
+        self._pool.clear()  # chunk buffers, reused once nobody else holds them
         # every window of the block as one item of ``nbytes`` bytes (an overlapping
         # view): a chunk's payloads are one gather, not a copy byte by byte
         block, item = gen._block, max(self.nbytes, 1)
@@ -110,16 +112,16 @@ class ToyEncoder:
 
         Every view, memoryview or slice of a chunk (the input's batches in its ledger
         until confirmed, the frames a consumer kept) holds a reference to its buffer,
-        so a buffer whose only references are the pool's is free to be overwritten.
+        so a buffer whose only reference is the pool's is free to be overwritten (the
+        count a free buffer shows is measured once, on a probe, not assumed).
         Reuse spares the kernel faulting fresh pages in for every chunk (~0.2 page
         faults per 1 kB event in the input). The pool holds at most ``POOL_BUFFERS``.
         """
         pool = self._pool
         too_small = -1
-        for i in range(len(pool)):  # (enumerate's reused tuple would hold one more)
-            buf = pool[i]
-            # references: the pool's list, ``buf`` here, getrefcount's argument
-            if sys.getrefcount(buf) == 3:
+        for i in range(len(pool)):
+            if self._refs(i) == self._free_refs:
+                buf = pool[i]
                 if buf.nbytes >= nbytes:
                     return buf[:nbytes]
                 too_small = i
@@ -129,6 +131,11 @@ class ToyEncoder:
         elif too_small >= 0:
             pool[too_small] = buf
         return buf[:nbytes]
+
+    def _refs(self, i: int) -> int:
+        """References to pool buffer ``i`` (the same count for any free one)."""
+        buf = self._pool[i]
+        return sys.getrefcount(buf)
 
     def chunk(self, start: int, stop: int) -> Sequence[list[Any]]:
         """The frames of the events ``start .. stop - 1``, built with numpy in one go.

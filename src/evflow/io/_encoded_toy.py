@@ -274,8 +274,10 @@ CHUNK_EVENTS = 256
 #: rows of a chunk filled at a time (~300 kB at 1 kB: they stay in the cache)
 FILL_ROWS = 256
 #: ... when the source burns no CPU per event: larger chunks hold most of the input's
-#: batches whole (a batch then goes out as a slice of one chunk, not joined)
+#: batches whole (a batch then goes out as a slice of one chunk, not joined), up to
+#: ``CHUNK_BYTES`` of rows (16 kB inline events: 288 a chunk, not 64 MB of them)
 CHUNK_EVENTS_FREE = 4096
+CHUNK_BYTES = 4096 * 1160
 
 
 def _same(a: Sequence[Any], b: Sequence[Any]) -> bool:
@@ -306,7 +308,9 @@ def encoded_toy_batches(
 
         chunk = slow_chunk
 
-    size = CHUNK_EVENTS if work_ms > 0 else CHUNK_EVENTS_FREE
+    row_b = 160 + (enc.nbytes if enc.inline else 0)  # a row's header bytes (+ payload)
+    size = CHUNK_EVENTS if work_ms > 0 else min(CHUNK_EVENTS_FREE, CHUNK_BYTES // row_b)
+    size = max(size, CHUNK_EVENTS)
     position = start
     while position < n_events:
         stop = min(n_events, position + size, _width_stop(position))

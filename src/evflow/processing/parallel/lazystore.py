@@ -21,6 +21,7 @@ import numpy as np
 
 from evflow.errors import CodecError
 from evflow.processing.datastore import DataStore, EventMeta
+from evflow.processing.parallel.batching import unpack_batch
 from evflow.wire._header import EVENT_PREFIX, META, META_END, META_START
 from evflow.wire.codec import decode_event, peek_meta
 
@@ -108,10 +109,10 @@ def untouched(store: LazyEvent) -> bool:
 _PREFIX_WORD = np.uint64(int.from_bytes(EVENT_PREFIX, "little"))
 _PREFIX_MASK = np.uint64((1 << (8 * len(EVENT_PREFIX))) - 1)
 _MASK64 = (1 << 64) - 1
-_META_DTYPE = np.dtype(
-    [("uid", "<u8"), ("experiment", "<i8"), ("run", "<i8"), ("event", "<i8"),
-     ("flags", "<u8"), ("attempt", "<i8")]
-)  # fmt: skip  # the layout of META ("<QqqqQq")
+
+
+def _fields(m: EventMeta) -> tuple[int, ...]:
+    return (m.uid, m.experiment, m.run, m.event, m.flags, m.attempt)
 
 
 class ReceivedBatch:
@@ -130,7 +131,7 @@ class ReceivedBatch:
 
     __slots__ = (
         "_blob", "_ends", "_events", "_first", "_head_offsets", "_heads", "_lengths",
-        "_starts", "attempt", "experiment", "n", "run", "stale", "touched",
+        "_rows", "_starts", "attempt", "experiment", "n", "run", "stale", "touched",
     )  # fmt: skip
 
     def __init__(self, header: dict[str, Any], payload: Sequence[Any], attempt: int) -> None:
@@ -147,14 +148,19 @@ class ReceivedBatch:
         self._starts: list[int] = []  # per frame, made on the first frames()
         self._ends: list[int] = []
         self._first: list[int] = []  # per event: index of its first frame
+        self._rows: list[tuple[int, ...]] = []  # unpacked batches: each event's meta
+        self.experiment: Any  # per event: numpy columns (packed) or lists
+        self.run: Any
+        #: events whose frames carry another attempt than the batch's (re-encoded)
+        self.stale: list[int]
         if not n or not header["p"]:
             # large events (or none): a frame list each; per-event cost is noise here
-            from evflow.processing.parallel.batching import unpack_batch
-
             events = self._events = unpack_batch(header, payload) if n else []
-            metas = [peek_meta(frames) for frames in events]
-            rows = [(m.uid, m.experiment, m.run, m.event, m.flags, m.attempt) for m in metas]
-            self._set_columns(np.array(rows, dtype=_META_DTYPE))
+            rows = self._rows = [_fields(peek_meta(frames)) for frames in events]
+            # plain lists: a batch of one 1 MB event must not pay numpy's per-call cost
+            self.experiment = [row[1] for row in rows]
+            self.run = [row[2] for row in rows]
+            self.stale = [i for i, row in enumerate(rows) if row[5] != attempt]
             return
         blob = payload[0]
         data = np.frombuffer(blob, dtype=np.uint8)
@@ -184,20 +190,17 @@ class ReceivedBatch:
         self.run = words[meta_starts + 16].view(np.int64)
         self.stale = np.flatnonzero(words[meta_starts + 40] != attempt & _MASK64).tolist()
 
-    def _set_columns(self, rows: np.ndarray) -> None:
-        self.experiment = rows["experiment"]
-        self.run = rows["run"]
-        #: events whose frames carry another attempt than the batch's (re-encoded)
-        self.stale: list[int] = np.flatnonzero(rows["attempt"] != self.attempt).tolist()
-
     def runs(self) -> list[tuple[int, int, int, int]]:
         """``(start, stop, experiment, run)`` of each stretch of events of one run."""
         n = self.n
         if not n:
             return []
         e, r = self.experiment, self.run
-        cut = np.flatnonzero((e[1:] != e[:-1]) | (r[1:] != r[:-1])) + 1
-        bounds = [0, *cut.tolist(), n]
+        if type(e) is list:
+            cuts = [i for i in range(1, n) if e[i] != e[i - 1] or r[i] != r[i - 1]]
+        else:
+            cuts = (np.flatnonzero((e[1:] != e[:-1]) | (r[1:] != r[:-1])) + 1).tolist()
+        bounds = [0, *cuts, n]
         return [(a, b, int(e[a]), int(r[a])) for a, b in pairwise(bounds)]
 
     def stores(self) -> list[BatchEvent]:
@@ -225,8 +228,7 @@ class ReceivedBatch:
     def _row(self, i: int) -> tuple[int, ...]:
         """Event ``i``'s meta fields as in its frames (``EventMeta`` order)."""
         if self._events is not None:
-            m = peek_meta(self._events[i])
-            return (m.uid, m.experiment, m.run, m.event, m.flags, m.attempt)
+            return self._rows[i]
         offsets = self._head_offsets
         if type(offsets) is not list:
             offsets = self._head_offsets = offsets.tolist()

@@ -13,8 +13,9 @@ codec never produces different events, only slower ones).
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, overload
 
 import msgpack
 import numpy as np
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from evflow.io.generators import ToyGenerator
 
 EncodedEvent = tuple[int, int, int, list[Any]]
-EncodedBatch = tuple[list[int], int, int, list[list[Any]]]
+EncodedBatch = tuple[list[int], int, int, Sequence[list[Any]]]
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
@@ -58,6 +59,13 @@ class ToyEncoder:
         self.window = window
         self.nbytes = int(gen.payload_bytes)
         self.block_np = gen._block
+        self._pool: list[np.ndarray] = [np.empty(1, dtype=np.uint8)]
+        self._free_refs = self._refs(0)  # what a buffer only the pool holds counts
+        self._pool.clear()  # chunk buffers, reused once nobody else holds them
+        # every window of the block as one item of ``nbytes`` bytes (an overlapping
+        # view): a chunk's payloads are one gather, not a copy byte by byte
+        block, item = gen._block, max(self.nbytes, 1)
+        self.payloads = np.ndarray((max(len(block) - item + 1, 0),), f"V{item}", block, 0, (1,))
         self.block = memoryview(gen._block.data).cast("B")
         self.salt = gen._salt
         self.inline = self.nbytes <= INLINE_MAX_BYTES
@@ -99,12 +107,44 @@ class ToyEncoder:
         del parts[4]
         return [b"".join(parts), payload]
 
-    def chunk(self, start: int, stop: int) -> list[list[Any]]:
+    def _buffer(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` bytes for a chunk: a pooled buffer nothing refers to any more.
+
+        Every view, memoryview or slice of a chunk (the input's batches in its ledger
+        until confirmed, the frames a consumer kept) holds a reference to its buffer,
+        so a buffer whose only reference is the pool's is free to be overwritten (the
+        count a free buffer shows is measured once, on a probe, not assumed).
+        Reuse spares the kernel faulting fresh pages in for every chunk (~0.2 page
+        faults per 1 kB event in the input). The pool holds at most ``POOL_BUFFERS``.
+        """
+        pool = self._pool
+        too_small = -1
+        for i in range(len(pool)):
+            if self._refs(i) == self._free_refs:
+                buf = pool[i]
+                if buf.nbytes >= nbytes:
+                    return buf[:nbytes]
+                too_small = i
+        buf = np.empty(nbytes + nbytes // 8, dtype=np.uint8)  # room for wider ints later
+        if len(pool) < POOL_BUFFERS:
+            pool.append(buf)
+        elif too_small >= 0:
+            pool[too_small] = buf
+        return buf[:nbytes]
+
+    def _refs(self, i: int) -> int:
+        """References to pool buffer ``i`` (the same count for any free one)."""
+        buf = self._pool[i]
+        return sys.getrefcount(buf)
+
+    def chunk(self, start: int, stop: int) -> Sequence[list[Any]]:
         """The frames of the events ``start .. stop - 1``, built with numpy in one go.
 
         All positions must have the same msgpack int width (see :func:`_width_stop`).
         The header frames are memoryviews into one array per chunk (~0.5 µs per 1 kB
-        event instead of ~2 µs for :meth:`frames`).
+        event instead of ~2 µs for :meth:`frames`). Inline events (one frame each) come
+        as :class:`RowEvents`: the frames are made only when asked, and the input's
+        fast path packs a batch from the rows without looking at single events.
         """
         k = stop - start
         pos = np.arange(start, stop, dtype=np.uint64)
@@ -135,28 +175,67 @@ class ToyEncoder:
         ]
         width = sum(p if type(p) is int else len(p) if type(p) is bytes else p.shape[1]
                     for p in pieces)  # fmt: skip
-        rows = np.empty((k, width), dtype=np.uint8)
+        rows = self._buffer(k * width).reshape(k, width)
+        columns = []  # (first column, width, bytes per row or None for the payload)
         col = 0
         for p in pieces:
-            if type(p) is int:  # the payload bytes, each event at its own offset
-                if p:
-                    windows = np.lib.stride_tricks.sliding_window_view(self.block_np, p)
-                    rows[:, col : col + p] = windows[offsets.astype(np.intp)]
-                col += p
-                continue
+            n = p if type(p) is int else len(p) if type(p) is bytes else p.shape[1]
             if type(p) is bytes:
                 p = np.frombuffer(p, dtype=np.uint8)
-            n = p.shape[-1]
-            rows[:, col : col + n] = p
+            columns.append((col, n, None if type(p) is int else p))
             col += n
+        index = offsets.astype(np.intp)
+        # row blocks that stay in the cache while every column is written into them
+        for a in range(0, k, FILL_ROWS):
+            b = min(k, a + FILL_ROWS)
+            for col, n, p in columns:
+                if p is None:  # the payload: one p-byte item per event, gathered
+                    if n:
+                        into = np.ndarray((b - a,), self.payloads.dtype, rows[a:b], col, (width,))
+                        into[...] = self.payloads[index[a:b]]
+                elif p.ndim == 1:  # the same bytes in every row
+                    rows[a:b, col : col + n] = p
+                else:
+                    rows[a:b, col : col + n] = p[a:b]
         flat = rows.reshape(-1).data
-        heads = [flat[a : a + width] for a in range(0, k * width, width)]
         if self.inline:
-            return [[head] for head in heads]
+            return RowEvents(flat, width, k)
+        heads = [flat[a : a + width] for a in range(0, k * width, width)]
         block, size = self.block, self.nbytes
         return [
             [head, block[o : o + size]] for head, o in zip(heads, offsets.tolist(), strict=True)
         ]
+
+
+class RowEvents(Sequence[list[Any]]):
+    """Single-frame events of ``width`` bytes each, back to back in ``buffer``.
+
+    A sequence of frame lists like any chunk (``[memoryview]`` per event, made when
+    asked); ``contiguous`` ``(buffer, width)`` lets the input take a run of them as
+    one slice (``fastpath.read_encoded``).
+    """
+
+    __slots__ = ("_n", "contiguous")
+
+    def __init__(self, buffer: memoryview, width: int, n: int) -> None:
+        self.contiguous = (buffer, width)
+        self._n = n
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, i: int) -> list[Any]: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[list[Any]]: ...
+    def __getitem__(self, i: int | slice) -> list[Any] | list[list[Any]]:
+        buffer, width = self.contiguous
+        if isinstance(i, slice):
+            return [[buffer[a * width : (a + 1) * width]] for a in range(*i.indices(self._n))]
+        if not -self._n <= i < self._n:
+            raise IndexError(f"event {i} of a chunk of {self._n}")
+        i %= self._n
+        return [buffer[i * width : (i + 1) * width]]
 
 
 _META_DTYPE = np.dtype(
@@ -188,18 +267,28 @@ def _int_columns(pos: np.ndarray, first: int) -> np.ndarray:
     raise ValueError(f"position {first} does not fit in 64 bits")
 
 
+#: chunk buffers a ToyEncoder keeps for reuse (at 1 kB, 4096 events: ~4.6 MB each)
+POOL_BUFFERS = 16
 #: events built per numpy chunk
 CHUNK_EVENTS = 256
+#: rows of a chunk filled at a time (~300 kB at 1 kB: they stay in the cache)
+FILL_ROWS = 256
+#: ... when the source burns no CPU per event: larger chunks hold most of the input's
+#: batches whole (a batch then goes out as a slice of one chunk, not joined), up to
+#: ``CHUNK_BYTES`` of rows (16 kB inline events: 288 a chunk, not 64 MB of them)
+CHUNK_EVENTS_FREE = 4096
+CHUNK_BYTES = 4096 * 1160
 
 
-def _same(a: list[Any], b: list[Any]) -> bool:
+def _same(a: Sequence[Any], b: Sequence[Any]) -> bool:
     return len(a) == len(b) and all(bytes(x) == bytes(y) for x, y in zip(a, b, strict=True))
 
 
 def encoded_toy_batches(
     gen: ToyGenerator, start: int, window: int, burn: bool = True
 ) -> Iterator[EncodedBatch]:
-    """``(uids, experiment, run, frames)`` of up to ``CHUNK_EVENTS`` events at a time.
+    """``(uids, experiment, run, frames)`` of up to ``CHUNK_EVENTS`` events at a time
+    (``CHUNK_EVENTS_FREE`` when the source burns no CPU).
 
     ``burn=False`` leaves the source's ``work_ms`` to the caller.
     """
@@ -210,18 +299,21 @@ def encoded_toy_batches(
     if start >= n_events:
         return
     reference = encode_event(gen.make_event(start))
-    chunk: Callable[[int, int], list[list[Any]]] = enc.chunk
+    chunk: Callable[[int, int], Sequence[list[Any]]] = enc.chunk
     if not _same(chunk(start, start + 1)[0], reference) or not _same(enc.frames(start), reference):
         slow = _slow_frames(gen)  # the codec changed: stay correct, only slower
 
-        def slow_chunk(first: int, stop: int) -> list[list[Any]]:
+        def slow_chunk(first: int, stop: int) -> Sequence[list[Any]]:
             return [slow(p) for p in range(first, stop)]
 
         chunk = slow_chunk
 
+    row_b = 160 + (enc.nbytes if enc.inline else 0)  # a row's header bytes (+ payload)
+    size = CHUNK_EVENTS if work_ms > 0 else min(CHUNK_EVENTS_FREE, CHUNK_BYTES // row_b)
+    size = max(size, CHUNK_EVENTS)
     position = start
     while position < n_events:
-        stop = min(n_events, position + CHUNK_EVENTS, _width_stop(position))
+        stop = min(n_events, position + size, _width_stop(position))
         if burn and work_ms > 0:
             burn_cpu(work_ms * (stop - position))
         yield (list(range(position, stop)), experiment, run, chunk(position, stop))

@@ -49,7 +49,14 @@ def frames_nbytes(frames: Sequence[Any]) -> int:
 
 
 def pack_batch(encoded: Sequence[Sequence[Any]], header: dict[str, Any], packed: bool) -> list[Any]:
-    """Fill ``header`` (``n``, ``p``, ``l``) and return the payload frames of a batch."""
+    """Fill ``header`` (``n``, ``p``, ``l``) and return the payload frames of a batch.
+
+    ``encoded`` may be a :class:`PackedEvents` (the input's fast path joins a batch
+    of contiguous source rows at once): packed, it goes out as its one buffer.
+    """
+    if packed and type(encoded) is PackedEvents:
+        header["n"], header["p"], header["l"] = encoded.counts, True, encoded.lengths
+        return [encoded.blob]
     counts = [len(fr) for fr in encoded]
     if not counts:  # every event of the batch was dropped: no payload at all
         header["n"] = b""
@@ -101,7 +108,7 @@ class PackedEvents(Sequence[list[memoryview]]):
 
     __slots__ = ("_blob", "_counts", "_lengths", "_starts")
 
-    def __init__(self, blob: bytes, counts: bytes, lengths: bytes) -> None:
+    def __init__(self, blob: bytes | memoryview, counts: bytes, lengths: bytes) -> None:
         self._blob = blob
         self._counts = counts
         self._lengths = lengths
@@ -109,6 +116,21 @@ class PackedEvents(Sequence[list[memoryview]]):
 
     def __len__(self) -> int:
         return len(self._counts) // 2  # u16 per event
+
+    @property
+    def blob(self) -> bytes | memoryview:
+        """The events' frames back to back."""
+        return self._blob
+
+    @property
+    def counts(self) -> bytes:
+        """Frames per event (u16 each), as the ``n`` of an EVENTS header."""
+        return self._counts
+
+    @property
+    def lengths(self) -> bytes:
+        """Frame lengths (u32 each), as the ``l`` of an EVENTS header."""
+        return self._lengths
 
     def __getitem__(self, i: int) -> list[memoryview]:  # type: ignore[override]
         counts = np.frombuffer(self._counts, dtype=np.uint16)

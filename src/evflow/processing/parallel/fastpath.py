@@ -17,12 +17,14 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
+
+import numpy as np
 
 from evflow.errors import EvflowError, ModuleError
 from evflow.processing.chain import ModuleChain, user_traceback
-from evflow.processing.parallel.batching import frames_nbytes
+from evflow.processing.parallel.batching import PackedEvents, frames_nbytes
 
 #: environment variable that disables the fast path when set to a non-empty value
 ENV_DISABLE = "EVFLOW_NO_FASTPATH"
@@ -105,12 +107,17 @@ class EncodedReader:
 
 def read_encoded(
     role: Any, reader: EncodedReader, n: int
-) -> tuple[list[Any], list[int], list[int]]:
+) -> tuple[Sequence[Any], list[int], list[int]]:
     """Up to ``n`` events from ``reader`` as (frames, uids, positions) lists.
 
     ``role`` is the input (``chain``, ``sizer``, ``read``, ``max_events``,
     ``start_position``, ``exhausted``, ``source``); its counters are updated as
     ``_read_batch`` does for stores: ``read``, the source's statistics, run switches.
+
+    When every chunk it reads from says its events lie back to back in one buffer
+    (``contiguous``: ``(buffer, width)``, as the toy source's ``RowEvents``) and the
+    batch travels packed, the frames come as one :class:`PackedEvents` (the bytes
+    joined once): the input then packs the batch without a step per event.
     """
     limit = n
     if role.max_events:
@@ -119,7 +126,7 @@ def read_encoded(
             role.exhausted = True
             return [], [], []
     chain = role.chain
-    enc: list[Any] = []
+    parts: list[tuple[Sequence[Any], int, int]] = []  # (chunk frames, first, stop)
     uids: list[int] = []
     t0 = time.perf_counter()
     got = 0
@@ -138,7 +145,7 @@ def read_encoded(
                 chain.switch_run(experiment, run)
             end = min(len(chunk_uids), offset + limit - got)
             uids += chunk_uids[offset:end]
-            enc += frames[offset:end]
+            parts.append((frames, offset, end))
             got += end - offset
             pending[4] = end
     except EvflowError:
@@ -146,6 +153,11 @@ def read_encoded(
     except Exception as exc:
         source = role.source
         raise ModuleError(source.name, "events", None, exc, user_traceback(exc)) from exc
+    enc = _packed(parts, got) if role.sizer.packed else None
+    if enc is None:
+        enc = []
+        for frames, offset, end in parts:
+            enc += frames[offset:end]
     stats = chain.stats
     stats.calls[0] += got
     stats.time_s[0] += time.perf_counter() - t0
@@ -154,3 +166,22 @@ def read_encoded(
     if role.max_events and role.read >= role.max_events:
         role.exhausted = True
     return enc, uids, list(range(first, first + got))
+
+
+def _packed(parts: list[tuple[Sequence[Any], int, int]], n: int) -> PackedEvents | None:
+    """``parts`` as one packed buffer, when each is a contiguous run (else None)."""
+    if not n:
+        return None
+    pieces = []
+    widths = []
+    for frames, offset, end in parts:
+        contiguous = getattr(frames, "contiguous", None)
+        if contiguous is None:
+            return None
+        buffer, width = contiguous
+        pieces.append(buffer[offset * width : end * width])
+        widths.append(np.full(end - offset, width, dtype=np.uint32))
+    counts = np.ones(n, dtype=np.uint16).tobytes()
+    if len(pieces) == 1:  # a slice of one chunk: sent (and kept by the ledger) as is
+        return PackedEvents(pieces[0], counts, widths[0].tobytes())
+    return PackedEvents(b"".join(pieces), counts, np.concatenate(widths).tobytes())

@@ -29,7 +29,6 @@ from evflow.processing.parallel.batching import (
     frames_nbytes,
     from_u64,
     pack_batch,
-    unpack_batch_metas,
 )
 from evflow.processing.parallel.common import (
     RoleBus,
@@ -40,7 +39,7 @@ from evflow.processing.parallel.common import (
 )
 from evflow.processing.parallel.deltas import DeltaEncoder
 from evflow.processing.parallel.fastpath import fastpath_enabled
-from evflow.processing.parallel.lazystore import LazyEvent, untouched
+from evflow.processing.parallel.lazystore import ReceivedBatch
 from evflow.processing.parallel.persist import encode_persistent
 from evflow.processing.parallel.scoreboard import current as current_scoreboard
 from evflow.processing.parallel.scoreboard import slot_of
@@ -166,67 +165,56 @@ class _Worker:
                 return
         else:
             received = [f.buffer for f in payload]
-        events, metas = unpack_batch_metas(header, received)
-        if len(header["u"]) != 8 * len(events):
-            raise ValueError(f"batch has {len(events)} events and {len(header['u'])} uid bytes")
+        # frames and metas are made per event only when someone asks (lazystore.py)
         attempt = header["a"]
-        kept_mask = bytearray(len(events))
-        kept: list[Any] = []
-        failed: list[dict[str, Any]] = []
+        batch = ReceivedBatch(header, received, attempt)
+        n = batch.n
+        if len(header["u"]) != 8 * n:
+            raise ValueError(f"batch has {n} events and {len(header['u'])} uid bytes")
+        kept_mask = bytearray(n)
         chain = self.chain
-        current = chain.run
         board, slot = self.board, self.slot
         bid = header["b"] if type(header["b"]) is int and -(2**63) <= header["b"] < 2**63 else -1
         # the scoreboard gets the batch's uids once; per event only a cursor is stored
-        cursor_words: Any = None
-        cursor_at = 0
+        cursor: Any = None
         if board is not None and board.begin_batch(slot, header["u"], bid):
-            cursor_words, cursor_at = board.cursor(slot)
-        as_received = True  # every event kept and forwarded unchanged: resend the payload
-        eager = self.eager
+            cursor = board.cursor(slot)
+        stores = batch.stores()
         t0 = time.perf_counter()
-        for i, frames in enumerate(events):
-            meta = metas[i]
-            store = LazyEvent(frames, meta)  # objects are decoded when a module asks
-            if eager:
+        if self.eager:  # EVFLOW_NO_FASTPATH: decode every event, as before the fast path
+            for store in stores:
                 store.load()
-            fresh = meta.attempt == attempt  # the frames' meta is still right
-            meta.attempt = attempt
-            flags = meta.flags
-            if current is None or current.run != meta.run or current.experiment != meta.experiment:
-                chain.switch_run(meta.experiment, meta.run)
-                current = chain.run
-            if cursor_words is not None:
-                cursor_words[cursor_at] = i + 1
-            elif board is not None:
-                board.begin(slot, meta.uid, bid)
-            try:
-                keep = chain.event(store)
-            except ModuleError as exc:
-                failed.append(_failure(i, exc))  # this event failed, not the worker
+        errors: list[tuple[int, ModuleError]] = []
+        for first, stop, experiment, run in batch.runs():
+            chain.switch_run(experiment, run)  # nothing when the run is the current one
+            if cursor is not None or board is None:
+                errors += chain.event_batch(stores, kept_mask, first, stop, cursor)
                 continue
-            finally:
-                if cursor_words is not None:
-                    cursor_words[cursor_at] = 0
-                elif board is not None:
+            uids = from_u64(header["u"]).tolist()
+            for i in range(first, stop):  # a batch larger than a scoreboard slot
+                board.begin(slot, uids[i], bid)
+                try:
+                    errors += chain.event_batch(stores, kept_mask, i, i + 1)
+                finally:
                     board.clear(slot)
-            if keep:
-                kept_mask[i] = 1
-                if fresh and meta.flags == flags and untouched(store):
-                    kept.append(frames)  # nothing changed: forward the received frames
-                else:
-                    kept.append(encode_event(store))
-                    as_received = False
-            else:
-                as_received = False
+        failed = [_failure(i, exc) for i, exc in errors]  # these failed, not the worker
+        changed = batch.changed(stores, kept_mask)
+        n_kept = kept_mask.count(1)
+        # every event kept and forwarded unchanged: resend the payload as received
+        as_received = n_kept == n and not changed
+        kept: list[Any] = []
+        if not as_received or not (header["p"] or "x" in header):  # to pack or send one by one
+            for i in range(n):
+                if kept_mask[i]:
+                    kept.append(encode_event(stores[i]) if i in changed else batch.frames(i))
         if not self.first_event_at:
             self.first_event_at = time.time()
-        per_event_s = (time.perf_counter() - t0) / max(len(events), 1)
+        per_event_s = (time.perf_counter() - t0) / max(n, 1)
         out = {"b": header["b"], "a": attempt, "u": header["u"], "s": header["s"]}
         if failed:  # failed events are not results: leave them out
             as_received = False
             gone = {f.pop("i") for f in failed}
-            rest = [i for i in range(len(events)) if i not in gone]
+            rest = [i for i in range(n) if i not in gone]
             out["u"] = from_u64(header["u"])[rest].tobytes()
             out["s"] = from_u64(header["s"])[rest].tobytes()
             kept_mask = bytearray(kept_mask[i] for i in rest)
@@ -259,12 +247,12 @@ class _Worker:
                     out["fx"] = len(failed)  # their partial fills are in the delta
                 body = [*body, *delta]
             self.push.send_multipart(encode_message(MsgType.EVENTS, out, body), copy=not large)
-        ready: dict[str, Any] = {"credit": len(events), "t": per_event_s}
+        ready: dict[str, Any] = {"credit": n, "t": per_event_s}
         if failed:
             ready["f"] = failed
         self.dealer.send_multipart(encode_message(MsgType.READY, ready))
-        self.events_in += len(events)
-        self.events_kept += len(kept)
+        self.events_in += n
+        self.events_kept += n_kept
 
     def bus_counters(self) -> dict[str, Any]:
         """This worker's counters for the control bus (rolebus.py), at most per tick."""

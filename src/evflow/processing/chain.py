@@ -63,9 +63,7 @@ class ModuleChain:
             except EvflowError:
                 raise
             except Exception as exc:
-                raise ModuleError(
-                    module.name, "event", store.meta.uid, exc, user_traceback(exc)
-                ) from exc
+                raise event_error(module, store, exc) from exc
             times[i] += _clock() - t0
             calls[i] += 1
             if keep is False:
@@ -123,9 +121,7 @@ class ModuleChain:
                 raise
             except Exception as exc:
                 words[at] = 0
-                error = ModuleError(module.name, "event", store.meta.uid, exc, user_traceback(exc))
-                error.__cause__ = exc
-                failures.append((i, error))
+                failures.append((i, event_error(module, store, exc)))
                 continue
             words[at] = 0
             if keep is False:
@@ -164,11 +160,7 @@ class ModuleChain:
                     words[at] = 0
                     raise
                 except Exception as exc:
-                    error = ModuleError(
-                        module.name, "event", store.meta.uid, exc, user_traceback(exc)
-                    )
-                    error.__cause__ = exc
-                    failures.append((i, error))
+                    failures.append((i, event_error(module, store, exc)))
                     t = _clock()
                     break
                 now = _clock()
@@ -276,6 +268,13 @@ def output_files(modules: Iterable[Module]) -> list[str]:
             if value:
                 files.append(str(value))
     return files
+
+
+def event_error(module: Module, store: DataStore, exc: Exception) -> ModuleError:
+    """The error for ``exc`` raised by ``module.event(store)``, caused by it."""
+    error = ModuleError(module.name, "event", store.meta.uid, exc, user_traceback(exc))
+    error.__cause__ = exc
+    return error
 
 
 def user_traceback(exc: BaseException) -> str:

@@ -199,6 +199,11 @@ def _remove_empty_parent(files: list[Path]) -> None:
                 parent.rmdir()  # only succeeds when empty: other devices may share it
 
 
+#: reconnect interval of ipc connects (ms), doubling up to the maximum (ms)
+IPC_RECONNECT_IVL_MS = 10
+IPC_RECONNECT_IVL_MAX_MS = 100
+
+
 def open_channel(
     context: zmq.Context[Any], config: ChannelConfig, session: str, index: int = 0
 ) -> Channel:
@@ -229,6 +234,12 @@ def open_channel(
             method = ep.method or config.method
             url, ipc_file = resolve_for_socket(ep, session, label)
             if method == "connect":
+                if url.startswith("ipc://"):
+                    # a peer on this host binds within milliseconds: retry at 10 ms
+                    # (doubling up to libzmq's usual 100 ms) instead of 100 ms; a role
+                    # forked before its peer had bound waited 100 ms for its first hop
+                    sock.setsockopt(zmq.RECONNECT_IVL, IPC_RECONNECT_IVL_MS)
+                    sock.setsockopt(zmq.RECONNECT_IVL_MAX, IPC_RECONNECT_IVL_MAX_MS)
                 try:
                     sock.connect(url)
                 except zmq.ZMQError as exc:

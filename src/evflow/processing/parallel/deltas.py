@@ -40,7 +40,12 @@ import msgpack
 import numpy as np
 
 from evflow.errors import CodecError, ConfigurationError
-from evflow.processing.parallel.persist import decode_persistent, encode_persistent, merge_into
+from evflow.processing.parallel.persist import (
+    decode_persistent,
+    encode_persistent,
+    loaded_histogram_type,
+    merge_into,
+)
 
 DELTA_VERSION = 1
 
@@ -125,9 +130,9 @@ class DeltaEncoder:
     def _encode(self, objects: dict[str, Any], reset: bool) -> list[bytes] | None:
         items: list[list[Any]] = []
         frames: list[bytes] = [b""]  # frame 0 is the head
-        histogram = _bh().Histogram
+        histogram = loaded_histogram_type()
         for name, value in objects.items():
-            if isinstance(value, histogram):
+            if histogram is not None and isinstance(value, histogram):
                 entry, view = self._entry(name, value)
                 raw = np.ascontiguousarray(view).tobytes()
                 if not np.frombuffer(raw, dtype=np.uint8).any():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import textwrap
@@ -277,6 +278,29 @@ def test_ctrl_c_turned_into_import_error_by_an_extension_exits_130(tmp_path: Pat
     assert main(["run", str(steer)]) == 130
     err = capsys.readouterr().err
     assert "interrupted" in err and "Traceback" not in err and "error" not in err
+
+
+def test_ctrl_c_that_an_extension_turns_into_a_plain_import_error_exits_130(tmp_path: Path) -> None:
+    # numpy's C init, interrupted while it imports datetime through a capsule, raises an
+    # ImportError that no longer carries the KeyboardInterrupt
+    steer = tmp_path / "lost.py"
+    steer.write_text(
+        "import os, signal\ninterrupted = False\n"
+        "try:\n    os.kill(os.getpid(), signal.SIGINT)\n"
+        "except KeyboardInterrupt:\n    interrupted = True\n"
+        "if interrupted:\n"
+        "    raise ImportError('PyCapsule_Import could not import module datetime')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "evflow", "run", str(steer)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        # a test run started in the background by a shell ignores SIGINT; the command must not
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert result.returncode == 130, result.stderr
+    assert "interrupted" in result.stderr and "error" not in result.stderr
 
 
 SHUFFLED = """\

@@ -6,6 +6,9 @@ the likely fix. Catch ``EvflowError`` to catch them all.
 
 from __future__ import annotations
 
+import signal
+from types import FrameType
+
 
 class EvflowError(Exception):
     """Base of every evflow error."""
@@ -90,11 +93,16 @@ class InternalError(EvflowError):
 
 
 def caused_by_interrupt(exc: BaseException) -> bool:
-    """True if a KeyboardInterrupt is somewhere in the chain of causes of ``exc``.
+    """True if ``exc`` came from a Ctrl-C: one reached :func:`count_interrupts`' handler,
+    or a KeyboardInterrupt is somewhere in the chain of causes of ``exc``.
 
     A Ctrl-C that lands while a C extension initialises surfaces as an ImportError
-    "from" the KeyboardInterrupt; the command must still exit 130, not report an error.
+    "from" the KeyboardInterrupt, or (numpy importing datetime through a capsule) as an
+    ImportError that lost the KeyboardInterrupt altogether; the command must still exit
+    130, not report an error.
     """
+    if _interrupts_seen:
+        return True
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
@@ -103,3 +111,21 @@ def caused_by_interrupt(exc: BaseException) -> bool:
         seen.add(id(current))
         current = current.__cause__ or current.__context__
     return False
+
+
+_interrupts_seen = 0
+
+
+def _counting_int_handler(signum: int, frame: FrameType | None) -> None:
+    global _interrupts_seen
+    _interrupts_seen += 1
+    raise KeyboardInterrupt
+
+
+def count_interrupts() -> None:
+    """Count SIGINTs from here on while keeping Python's behaviour (KeyboardInterrupt).
+
+    Left alone when SIGINT is ignored (a job started in the background by a shell).
+    """
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _counting_int_handler)

@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from evflow.errors import EvflowError, caused_by_interrupt
+from evflow.errors import EvflowError, caused_by_interrupt, count_interrupts
 
 # module names under evflow.cli, each with register(subparsers)
 SUBCOMMANDS = ("run", "demo", "device", "ctl")
@@ -41,6 +41,8 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # a Ctrl-C that an extension's import turns into a plain ImportError is still a Ctrl-C
+    count_interrupts()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -479,7 +479,12 @@ def test_worker_over_its_memory_limit_is_recycled_without_losing_events(
         [
             ToyGenerator(n_events=1500, payload_bytes=200),
             BusyWork(work_ms=0.2),
-            FaultInjector(mode="memory", memory_mb=100, uids=[100, 600, 1100]),
+            # once each, whatever its attempt: an event queued in a worker recycled before
+            # it got to it comes again with attempt 2. 500 events apart they never share
+            # a batch (at most a quarter of the 1500: guided sizes): one recycle each
+            FaultInjector(
+                mode="memory", memory_mb=100, uids=[100, 600, 1100], once_dir=str(tmp_path)
+            ),
             RecordOutput(file=str(out), fsync=False),
         ]
     )

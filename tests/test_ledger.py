@@ -127,6 +127,67 @@ def test_with_progress_a_batch_that_kills_is_isolated_and_others_spared() -> Non
     assert e2.failures == 0
 
 
+def test_a_worker_leaving_in_order_gives_back_only_what_it_did_not_finish() -> None:
+    ledger, _ = make()
+    ledger.add_batch([(1, 0, ()), (2, 1, ())], "w")  # finished: results on their way
+    ledger.add_batch([(3, 2, ()), (4, 3, ())], "w")  # never started
+    ledger.progress("w", n_events=2)
+    recycled = Failure("recycled", "memory")
+    back = ledger.requeue_unfinished("w", recycled)
+    assert sorted(e.uid for e in back) == [3, 4]
+    assert all(e.attempt == 2 and e.failures == 0 and not e.isolate for e in back)
+    assert all(e.unstarted for e in back)
+    assert ledger.in_flight("w") == 2  # 1 and 2 wait for their CONFIRM
+    # the two come back together, in one message to another worker
+    ledger.resend_many([3, 4], "v")
+    assert ledger.in_flight("v") == 2
+    ledger.progress("v", n_events=2)
+    assert ledger.requeue_worker("v", Failure.from_returncode(-9)) != []  # not yet confirmed
+    # the left worker's results never came: later, they go again, uncharged
+    late = ledger.requeue_worker("w", recycled, culprit_uid=-1)
+    assert sorted(e.uid for e in late) == [1, 2] and all(e.failures == 0 for e in late)
+
+
+def test_only_events_no_result_of_which_can_exist_may_go_again_together() -> None:
+    # results leave a worker one whole message at a time: the message it died in and
+    # the later ones have none; a finished message's results may still be on the way
+    ledger, _ = make()
+    ledger.add_batch([(1, 0, ()), (2, 1, ())], "w")  # finished (its READY came)
+    ledger.add_batch([(3, 2, ())], "w")  # finished, READY not yet
+    ledger.add_batch([(4, 3, ()), (5, 4, ())], "w")  # the culprit 4 killed it
+    ledger.add_batch([(6, 5, ())], "w")  # never started
+    ledger.progress("w", n_events=2)
+    entries = {e.uid: e for e in ledger.requeue_worker("w", Failure.from_returncode(-9), 4)}
+    assert [u for u in sorted(entries) if entries[u].unstarted] == [5, 6]
+    assert entries[4].failures == 1
+    # died between messages (scoreboard idle): only messages after the current one
+    ledger.add_batch([(7, 6, ())], "v")  # finished (READY may lag)
+    ledger.add_batch([(8, 7, ()), (9, 8, ())], "v")
+    entries = {e.uid: e for e in ledger.requeue_worker("v", Failure.from_returncode(-9), -1)}
+    assert [u for u in sorted(entries) if entries[u].unstarted] == [8, 9]
+    # an output restart may have lost any result: none counts as unstarted
+    ledger.resend_many([8, 9], "u")
+    again = {e.uid: e for e in ledger.requeue_all()}
+    assert not again[8].unstarted and not again[9].unstarted
+    assert again[6].unstarted  # still waiting to go again: nothing changed for it
+
+
+def test_a_worker_leaving_after_its_results_were_confirmed_gives_back_nothing_more() -> None:
+    ledger, _ = make()
+    ledger.add_batch([(1, 0, ()), (2, 1, ())], "w")
+    ledger.progress("w", n_events=2)
+    assert ledger.requeue_unfinished("w", Failure("recycled", "memory")) == []
+    ledger.confirm([1, 2])
+    assert ledger.in_flight("w") == 0 and len(ledger) == 0
+
+
+def test_resend_many_refuses_an_event_that_is_not_pending() -> None:
+    ledger, _ = make()
+    ledger.add(1, 0, "w", ())
+    with pytest.raises(InternalError, match="uid 1, which is in-flight, not pending"):
+        ledger.resend_many([1], "v")
+
+
 def test_a_culprit_from_the_scoreboard_overrides_a_lost_ready() -> None:
     # the worker finished message 1 but its READY died with it: the READY guess would
     # blame uid 1; the scoreboard says it died on uid 4 (in a batch): only 4 is charged

@@ -236,8 +236,10 @@ def test_killed_workers_lose_no_histogram_fills_and_count_none_twice(tmp_path: F
     path = fill_path(
         out,
         n,
-        FaultInjector(name="kill", mode="segfault", uids=[100, 700, 1300]),
-        FaultInjector(name="exit", mode="exit", uids=[400, 1000]),
+        # once each, whatever the batches: an event queued behind one that killed its
+        # worker comes again with attempt 2 before any process got to it
+        FaultInjector(name="kill", mode="segfault", uids=[100, 700, 1300], once_dir=str(tmp_path)),
+        FaultInjector(name="exit", mode="exit", uids=[400, 1000], once_dir=str(tmp_path)),
     )
     summary = evflow.process(path, workers=3, quiet=True, max_attempts=3)
     assert summary.counters["workers lost"] == 5

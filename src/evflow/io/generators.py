@@ -51,6 +51,7 @@ class ToyGenerator(Source):
     use ``BusyWork`` for work that should run in parallel workers.
     """
 
+    preload = ("evflow.io._encoded_toy",)  # the input's fast path (encoded_batches)
     n_events = Param(int, 1000, "number of events")
     seed = Param(int, 0, "seed of the random payload and values")
     payload_bytes = Param(int, 1024, "payload size per event in bytes")

@@ -8,7 +8,10 @@ exactly once (processed, or quarantined after ``max_attempts`` failures)::
 
 Which events fail:
 - ``uids``: these uids fail on their first ``fail_attempts`` attempts (default 1, so a
-  retry succeeds), or on every attempt with ``poison=True``.
+  retry succeeds), or on every attempt with ``poison=True``. With ``once_dir`` each
+  listed uid fails exactly once, the first time a process gets to it, whatever its
+  attempt (an event that waited in a worker killed for another one comes back with
+  attempt 2, unprocessed): a marker file per uid in that directory says it happened.
 - ``probability``: any event fails with this probability, decided by a hash of
   ``(seed, uid, attempt)``: the same run fails the same events on the same attempts,
   and a retry (a new attempt) rolls again. With ``poison=True`` the roll ignores the
@@ -59,6 +62,7 @@ class FaultInjector(Module):
     seed = Param(int, 0, "seed of the reproducible per-(uid, attempt) roll")
     poison = Param(bool, False, "fail on every attempt, so the event ends quarantined")
     fail_attempts = Param(int, 1, "listed uids fail on attempts 1..fail_attempts")
+    once_dir = Param(str, "", "listed uids fail once per run, marked in this directory")
     hang_s = Param(float, 3600.0, "hang: seconds to sleep (the timeout should fire first)")
     slow_s = Param(float, 0.1, "slow: seconds to sleep before going on")
     exit_code = Param(int, 3, "exit: the os._exit code")
@@ -92,10 +96,24 @@ class FaultInjector(Module):
 
     def event(self, store: DataStore) -> bool | None:
         meta = store.meta
+        if self.once_dir and meta.uid in self._uids:
+            if self._first_time(meta.uid):
+                self.injected += 1
+                self._inject(meta.uid, meta.attempt)
+            return None
         if self.chosen(meta.uid, meta.attempt):
             self.injected += 1
             self._inject(meta.uid, meta.attempt)
         return None
+
+    def _first_time(self, uid: int) -> bool:
+        """Mark ``uid`` done in ``once_dir``; False if a process did so before."""
+        marker = os.path.join(self.once_dir, f"{self.name}-{uid}.injected")
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        except FileExistsError:
+            return False
+        return True
 
     def _inject(self, uid: int, attempt: int) -> None:
         mode = self.mode

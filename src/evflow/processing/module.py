@@ -17,10 +17,14 @@ class Module:
     Override the hooks you need. ``event`` may return ``False`` to drop the event from
     the rest of the path and from the output (a trigger decision). Set the class
     attribute ``parallel = True`` when the module does all its I/O through the store,
-    so that it may run in many worker processes at once.
+    so that it may run in many worker processes at once; list in ``preload`` the
+    modules it imports inside its hooks.
     """
 
     parallel: ClassVar[bool] = False
+    #: modules this one imports lazily in its processes (say, a large ML library): a
+    #: parallel run imports them once, before it forks, instead of once per process
+    preload: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, name: str | None = None, **params: Any) -> None:
         self.name = name or type(self).__name__

@@ -77,6 +77,7 @@ class LedgerEntry:
         "state",
         "suspicions",
         "uid",
+        "unstarted",
         "worker",
     )
 
@@ -99,6 +100,10 @@ class LedgerEntry:
         self.failures = 0  # attempts charged as failed
         self.suspicions = 0  # deaths it was in without being charged
         self.isolate = False  # send it to a worker holding nothing else
+        # requeued from a message its worker never began: no result of it can exist,
+        # so it may go again with others (a late result beside its re-send in one
+        # batch would make that batch's histogram delta count it twice: fills.py)
+        self.unstarted = False
         self.reasons: tuple[str, ...] = ()  # why attempts failed, oldest first
         self.send = 0  # number of the message it was last sent in (per ledger)
         self.origin: _Batch | None = None  # the batch it was first sent in, if any

@@ -30,8 +30,19 @@ PACK_LIMIT_B = 64 * 1024
 #: aim for batches of about this many bytes (1 MB: 100 kB events moved 1.4-1.5x faster
 #: than with 256 kB, 1 kB events ~1.1x; BENCHMARKS.md) ...
 TARGET_BATCH_B = 1024 * 1024
-#: ... and about this much work in one worker, so the end of a run stays balanced (s)
+#: expensive events: a batch holds at least about this much work (s) ...
 TARGET_BATCH_WORK_S = 0.004
+#: ... and, while much work is left, up to this much. Every message wakes the input and
+#: the output (~0.3 ms of CPU each on these VMs), taken from busy workers: with 10 ms
+#: events one event per batch cost 6 % of 2 cores, 20 events per batch ~1 %.
+MAX_BATCH_WORK_S = 0.5
+#: guided self-scheduling: a batch gets at most 1/(GUIDED_SHARES * workers) of the work
+#: not yet sent, so batches shrink towards TARGET_BATCH_WORK_S as the run ends and the
+#: workers finish together
+GUIDED_SHARES = 2
+#: a batch holds at most this fraction of event_timeout_s of work (the timeout watches
+#: a worker's progress message by message)
+TIMEOUT_SHARE = 0.25
 MAX_BATCH_EVENTS = 1024
 #: with transport shm the bytes of large events do not cross the sockets: a message
 #: may then point at this many bytes (8 MB: a few 1 MB events share one message)
@@ -178,19 +189,32 @@ def from_u64(raw: bytes) -> np.ndarray:
 class BatchSizer:
     """Chooses how many events go in one batch from event size and work per event.
 
-    Small, cheap events are batched up to ``TARGET_BATCH_B`` bytes; expensive events
-    are batched only up to ``TARGET_BATCH_WORK_S`` of work so that the last batches
-    do not leave workers idle; events above ``PACK_LIMIT_B`` keep their own frames
-    (a few per message up to ``TARGET_BATCH_B``, 1 MB events one by one), sent
-    zero-copy from ``ZERO_COPY_MIN_B`` on.
+    Small, cheap events are batched up to ``TARGET_BATCH_B`` bytes. Expensive events
+    are batched by work: when the events left are known (:attr:`remaining`, from the
+    source's ``total()``), a batch gets 1/(``GUIDED_SHARES`` x workers) of the work
+    left, between ``TARGET_BATCH_WORK_S`` and ``MAX_BATCH_WORK_S`` (guided
+    self-scheduling: few messages while much is left, small batches at the end so that
+    no worker idles while another finishes a long one); when not known, batches hold
+    ``TARGET_BATCH_WORK_S``. Events above ``PACK_LIMIT_B`` keep their own frames (a few
+    per message up to ``TARGET_BATCH_B``, 1 MB events one by one), sent zero-copy from
+    ``ZERO_COPY_MIN_B`` on.
     """
 
-    __slots__ = ("event_b", "target_b", "work_s")
+    __slots__ = ("event_b", "max_work_s", "remaining", "target_b", "work_s", "workers")
 
-    def __init__(self, target_b: int = TARGET_BATCH_B) -> None:
+    def __init__(
+        self, target_b: int = TARGET_BATCH_B, event_timeout_s: float | None = None
+    ) -> None:
         self.event_b = 0.0  # running mean of encoded event size (bytes)
         self.work_s = 0.0  # running mean of worker time per event (s), 0 = unknown
         self.target_b = target_b  # bytes per batch (larger when the bytes go by shm)
+        self.max_work_s = MAX_BATCH_WORK_S
+        if event_timeout_s:
+            self.max_work_s = max(
+                TARGET_BATCH_WORK_S, min(MAX_BATCH_WORK_S, TIMEOUT_SHARE * event_timeout_s)
+            )
+        self.remaining: int | None = None  # events not yet read, if the source knows
+        self.workers = 1  # workers sharing the events left
 
     def observe_size(self, nbytes: int) -> None:
         self.event_b = nbytes if self.event_b == 0 else 0.8 * self.event_b + 0.2 * nbytes
@@ -202,10 +226,17 @@ class BatchSizer:
     def packed(self) -> bool:
         return self.event_b < PACK_LIMIT_B
 
+    def work_target_s(self) -> float:
+        """Seconds of work the next batch should hold."""
+        if self.remaining is None or self.work_s <= 0:
+            return TARGET_BATCH_WORK_S
+        share = self.remaining * self.work_s / (GUIDED_SHARES * max(self.workers, 1))
+        return min(max(share, TARGET_BATCH_WORK_S), self.max_work_s)
+
     def size(self) -> int:
         by_bytes = int(self.target_b / max(self.event_b, 1.0))
         # until a worker has reported its speed, start with small batches
-        by_work = int(TARGET_BATCH_WORK_S / self.work_s) if self.work_s > 0 else 4
+        by_work = int(self.work_target_s() / self.work_s) if self.work_s > 0 else 4
         return max(1, min(by_bytes, by_work, MAX_BATCH_EVENTS))
 
     @property
@@ -214,5 +245,13 @@ class BatchSizer:
         return self.event_b >= ZERO_COPY_MIN_B
 
     def window(self, event_buffer: int) -> int:
-        """Events in flight per worker: the announced credit, or two batches if more."""
-        return max(event_buffer, 2 * self.size())
+        """Events in flight per worker: the announced credit, or two batches if more.
+
+        Expensive events use the credit only up to ``2 * TARGET_BATCH_WORK_S`` of work:
+        whatever waits in a worker's queue when the source ends is what the other
+        workers may idle for at the end of the run.
+        """
+        credit = event_buffer
+        if self.work_s > 0:
+            credit = min(credit, max(1, int(2 * TARGET_BATCH_WORK_S / self.work_s)))
+        return max(credit, 2 * self.size())

@@ -196,6 +196,10 @@ class CheckpointWriter:
         """True when ``interval_s`` has passed: the caller may compute the position now."""
         return self._clock() >= self._next_s
 
+    def due_in_s(self) -> float:
+        """Seconds until :meth:`due` turns true (0 when it is)."""
+        return max(0.0, self._next_s - self._clock())
+
     def maybe_write(self, position: int, counts: Mapping[str, int] | None = None) -> bool:
         """Write if ``interval_s`` passed since the last write and ``position`` moved."""
         now = self._clock()

@@ -17,6 +17,7 @@ reports to (HELLO, STATE ERROR, RESULT) and reacts to:
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import secrets
 import signal
@@ -77,6 +78,7 @@ class Parent:
         self.backoff = RestartPolicy.from_options(extra)  # crash loops: delayed forks
         self.role_options = {
             "max_events": options.max_events,
+            "workers": self.n_workers,  # (the input sizes batches by work left per worker)
             "ordered": options.ordered,
             "reorder_window": int(extra.get("reorder_window", 8192)),
             "max_attempts": options.max_attempts,
@@ -132,6 +134,7 @@ class Parent:
         scoreboard.install(self.board)
         restore = self._install_signals()
         remove_stale_sessions()  # left by runs killed with kill -9 (their owner is gone)
+        _preload(self.split)
         zygote = Zygote().start()  # before any zmq context in this process
         ctx: zmq.Context[Any] | None = None
         ctl = None
@@ -224,10 +227,13 @@ class Parent:
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.signals.append(signum)
 
+    def _worker_name(self, index: int) -> str:
+        """The name the next worker forked for slot ``index`` gets."""
+        return scoreboard.worker_name(index, self.generation.get(index, 0))
+
     def _spawn_worker(self, index: int) -> None:
-        gen = self.generation.get(index, 0)
-        self.generation[index] = gen + 1
-        name = f"worker-{index}" if gen == 0 else f"worker-{index}.{gen}"
+        name = self._worker_name(index)
+        self.generation[index] = self.generation.get(index, 0) + 1
         buffer = self.options.event_buffer
         limit_mb = float((self.options.extra or {}).get("worker_memory_limit_mb", 0.0))
         stale = self.board.read(index).batch  # the worker before's, still in the slot
@@ -365,9 +371,12 @@ class Parent:
         if reading.state == scoreboard.BUSY:
             lost["uid"] = reading.uid
         self.board.clear(index)  # before the replacement exists: nobody else writes it
-        self._send("input", MsgType.WORKER_LOST, lost)
         # backoff: a streak of workers dying before finishing an event delays the fork
-        if self.backoff.replace(index, time.monotonic(), crashed) == 0.0:
+        now = self.backoff.replace(index, time.monotonic(), crashed) == 0.0
+        if now:  # the input waits for its HELLO before it ends the run (or it is orphaned)
+            lost["replacement"] = self._worker_name(index)
+        self._send("input", MsgType.WORKER_LOST, lost)
+        if now:
             self._spawn_worker(index)
 
     def _tend_backoff(self) -> None:
@@ -544,6 +553,23 @@ def _role_order(name: str) -> tuple[int, str]:
     if name == "output":
         return (2, "")
     return (1, f"{name:>20}")
+
+
+def _preload(split: SplitPath) -> None:
+    """Import what the path's modules list in ``preload``: every forked role inherits it."""
+    for module in [*split.input, *split.worker, *split.output]:
+        names = getattr(module, "preload", ())
+        if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+            raise ConfigurationError(
+                f"module {module.name!r}: preload must be a tuple of module names, got {names!r}"
+            )
+        for name in names:
+            try:
+                importlib.import_module(name)
+            except ImportError as exc:
+                raise ConfigurationError(
+                    f"module {module.name!r}: cannot preload {name!r}: {exc}"
+                ) from exc
 
 
 def _progress_total(split: SplitPath, max_events: int | None) -> int | None:

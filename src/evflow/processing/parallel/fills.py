@@ -4,9 +4,10 @@ Merging (see :mod:`deltas`): a batch's delta is merged when the output accepts t
 batch, unless every event of it is already *in the merged state* (a late result after
 a re-send: dropped with its events). A batch mixing such events with new ones cannot
 be split: its delta is merged and the events counted in ``mixed`` (their fills count
-twice). The input re-sends failed or lost events one per batch, so mixed batches are
-rare (a late result racing its own re-send, or an input restarted from its checkpoint
-re-reading events already written).
+twice). The input re-sends failed or lost events one per batch, except those from a
+message the worker never began (``LedgerEntry.unstarted``: no result of them can
+exist), so mixed batches are rare (a late result racing its own re-send, or an input
+restarted from its checkpoint re-reading events already written).
 
 Output restarts. The merged state lives in the output's memory, so it is also kept
 in the session directory, in two parts:

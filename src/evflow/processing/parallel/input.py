@@ -20,6 +20,7 @@ its order goes on (``reorder.py``).
 from __future__ import annotations
 
 import collections
+import math
 import os
 import signal
 import time
@@ -31,6 +32,7 @@ import zmq
 from evflow.errors import EvflowError, ModuleError, PeerLostError, ProtocolError
 from evflow.processing.chain import ModuleChain, user_traceback
 from evflow.processing.datastore import DataStore
+from evflow.processing.module import Source
 from evflow.processing.parallel.batching import (
     SHM_TARGET_BATCH_B,
     TARGET_BATCH_B,
@@ -46,6 +48,8 @@ from evflow.processing.parallel.common import RoleBus, channel, current_split, r
 from evflow.processing.parallel.fastpath import encoded_source, read_encoded
 from evflow.processing.parallel.ledger import Failure, Ledger, LedgerEntry
 from evflow.processing.parallel.persist import encode_persistent
+from evflow.processing.parallel.rolebus import IDLE_WAIT_MS
+from evflow.processing.parallel.scoreboard import successor_name
 from evflow.transport.shm import ShmArena
 from evflow.wire.codec import encode_event
 from evflow.wire.messages import (
@@ -55,6 +59,13 @@ from evflow.wire.messages import (
     decode_message,
     encode_message,
 )
+
+#: with event_timeout_s, the input looks for workers without progress this often (ms)
+TIMEOUT_CHECK_MS = 50
+#: a worker that left in order (recycled) sent the results of the messages it finished
+#: before its GOODBYE: they are sent again only if still unconfirmed after this (s)
+RESULTS_GRACE_S = 5.0
+RECYCLED = Failure("recycled", "worker ended early (worker_memory_limit_mb)")
 
 
 class Batch:
@@ -116,7 +127,11 @@ class _Input:
         self.chain = ModuleChain(current_split().input, process="input")
         self.source: Any = self.chain.modules[0]
         shm = options.get("transport") == "shm"
-        self.sizer = BatchSizer(SHM_TARGET_BATCH_B if shm else TARGET_BATCH_B)
+        self.sizer = BatchSizer(
+            SHM_TARGET_BATCH_B if shm else TARGET_BATCH_B, options.get("event_timeout_s")
+        )
+        self.n_workers = int(options.get("workers") or 1)
+        self.to_read: int | None = None  # events this run reads, when the source knows
         self.workers: dict[bytes, _Slot] = {}
         self.goodbye: list[str] = []
         # reliability: --resume starts at the checkpoint; the input checkpoints as it goes
@@ -140,6 +155,13 @@ class _Input:
         # --ordered only: uid -> input sequence number, of the events not yet confirmed
         self.seq_of: dict[int, int] = {}
         self.timeouts_asked: set[Any] = set()
+        # workers that said GOODBYE -> when their finished, unconfirmed events go again
+        self.leavers: dict[str, float] = {}
+        # workers the parent forks as replacements that have not said HELLO yet (named in
+        # a WORKER_LOST; a recycled worker's successor); the run does not end before they
+        # did, or one would wait for events nobody sends. The HELLO may come first.
+        self.coming: set[str] = set()
+        self.greeted: set[str] = set()  # names of every worker that said HELLO
         self.next_check_s = 0.0
         self.quarantined = 0
         self.on_event_error = str(options.get("on_event_error") or "retry")
@@ -172,6 +194,7 @@ class _Input:
     # --- main loop ----------------------------------------------------------------------
     def run(self, bus: RoleBus) -> int:
         self.chain.initialize()
+        self.to_read = self._events_to_read()
         bus.running()
         try:
             fast = encoded_source(self.chain, self.start_position)
@@ -185,16 +208,24 @@ class _Input:
                 self.back: self._on_output,
                 self.ctl: self._on_ctl,
             }
+            if bus.socket is not None:  # commands wake the loop (it may sleep 250 ms)
+                poller.register(bus.socket, zmq.POLLIN)
             while not self.done:
                 busy = self._can_feed()
-                for sock, _ in poller.poll(0 if busy else 50):
-                    self._drain(sock, handlers[sock])
+                for sock, _ in poller.poll(0 if busy else self._idle_ms()):
+                    handler = handlers.get(sock)
+                    if handler is None:
+                        bus.serve_now()
+                    else:
+                        self._drain(sock, handler)
                 if self.abort:
                     return 1
                 if busy:
                     self._feed()
                 if self.ledger.event_timeout_s is not None:
                     self._check_timeouts()
+                if self.leavers:
+                    self._check_leavers()
                 if self.checkpoint is not None and self.checkpoint.due():
                     self.checkpoint.maybe_write(*self._checkpoint_point())
                 self._maybe_end()
@@ -283,15 +314,20 @@ class _Input:
         elif msg.type == MsgType.HELLO:
             check_hello(msg.header)
             self.workers[ident] = _Slot(str(msg.header["name"]), int(msg.header["pid"]))
+            self.greeted.add(str(msg.header["name"]))
+            self.coming.discard(str(msg.header["name"]))
             if self.end_sent:
                 self.router.send_multipart([ident, *self._end_message()])
         elif msg.type == MsgType.GOODBYE and slot is not None:
             self.goodbye.append(slot.name)
             del self.workers[ident]
-            # a worker recycled early (memory limit) may leave messages it never read
-            recycled = Failure("recycled", "worker ended early (worker_memory_limit_mb)")
-            entries = self.ledger.requeue_worker(slot.name, recycled, culprit_uid=-1)
+            # a worker recycled early (memory limit) may leave messages it never read;
+            # the results of those it finished are on their way to the output
+            entries = self.ledger.requeue_unfinished(slot.name, RECYCLED)
             self.resend.extend(e for e in entries if not e.poisoned)
+            self.leavers[slot.name] = time.monotonic() + RESULTS_GRACE_S
+            if msg.header.get("recycled"):  # the parent forks its successor
+                self._expect(successor_name(slot.name))
 
     def _on_output(self, frames: list[bytes]) -> None:
         msg = decode_message(frames[1:])
@@ -332,6 +368,14 @@ class _Input:
             blame = msg.header.get("blame")
             culprit = int(msg.header["uid"]) if blame == "busy" else -1 if blame == "idle" else None
             self.requeue(str(msg.header["name"]), failure, culprit)
+            # a replacement forked at once: the run does not end before it said HELLO
+            self.coming.discard(str(msg.header["name"]))  # (if it died before its HELLO)
+            if msg.header.get("replacement"):
+                self._expect(str(msg.header["replacement"]))
+
+    def _expect(self, name: str) -> None:
+        if name not in self.greeted:
+            self.coming.add(name)
 
     def requeue(self, name: str, failure: Failure, culprit_uid: int | None = None) -> int:
         """Take back every unconfirmed event of the lost worker ``name``.
@@ -446,11 +490,30 @@ class _Input:
         assert self.output_id is not None
         self.back.send_multipart([self.output_id, *message])
 
+    def _idle_ms(self) -> int:
+        """How long the loop may sleep with nothing to send: every wake-up costs the
+        busy workers CPU, so only as often as a timeout check or checkpoint needs."""
+        if self.ledger.event_timeout_s is not None or self.leavers:
+            return TIMEOUT_CHECK_MS
+        if self.checkpoint is not None:
+            return min(IDLE_WAIT_MS, max(1, math.ceil(self.checkpoint.due_in_s() * 1000)))
+        return IDLE_WAIT_MS
+
+    def _check_leavers(self) -> None:
+        now = time.monotonic()
+        for name, deadline in list(self.leavers.items()):
+            if not self.ledger.in_flight(name):
+                del self.leavers[name]  # all its results came
+            elif now >= deadline:
+                del self.leavers[name]
+                entries = self.ledger.requeue_worker(name, RECYCLED, culprit_uid=-1)
+                self.resend.extend(e for e in entries if not e.poisoned)
+
     def _check_timeouts(self) -> None:
         now = time.monotonic()
         if now < self.next_check_s:
             return
-        self.next_check_s = now + 0.05
+        self.next_check_s = now + TIMEOUT_CHECK_MS / 1000
         for entry in self.ledger.expired(now):
             if entry.worker not in self.timeouts_asked:
                 self.timeouts_asked.add(entry.worker)
@@ -472,7 +535,7 @@ class _Input:
             window = self.sizer.window(slot.buffer)
             while slot.inflight < window:
                 if self.resend:
-                    if not self._resend_one(ident, slot):
+                    if not self._resend_some(ident, slot, window - slot.inflight):
                         break
                     continue
                 if self.exhausted or self.stopping or self._ordered_full():
@@ -484,24 +547,41 @@ class _Input:
                 now = time.monotonic() if self.ledger.event_timeout_s is not None else 0.0
                 self.ledger.add_lists(batch.uids, batch.positions, batch.enc, slot.name, now)
 
-    def _resend_one(self, ident: bytes, slot: _Slot) -> bool:
-        """Send the next re-queued event alone; an isolated one only to an idle worker."""
-        entry = self.resend[0]
-        if entry.isolate and slot.inflight:
+    def _resend_some(self, ident: bytes, slot: _Slot, room: int) -> bool:
+        """Send re-queued events: an isolated one alone and only to an idle worker (its
+        next failure is then its own); events from messages their worker never began
+        together, up to a batch; any other alone (its first result may still come, and
+        must not share a batch, and a histogram delta, with new events: fills.py)."""
+        head = self.resend[0]
+        if head.isolate and slot.inflight:
             return False
-        self.resend.popleft()
-        if entry.state.value == "confirmed":
-            return True  # confirmed meanwhile (its first result arrived after all)
-        self.ledger.resend(entry.uid, slot.name)
+        picked = [self.resend.popleft()]
+        if head.unstarted:
+            limit = max(1, min(room, self.sizer.size()))
+            while self.resend and len(picked) < limit:
+                entry = self.resend[0]
+                if not entry.unstarted or entry.attempt != head.attempt:
+                    break  # (one message carries one attempt number)
+                picked.append(self.resend.popleft())
+        # confirmed meanwhile: its first result arrived after all
+        live = [e for e in picked if e.state.value != "confirmed"]
+        if not live:
+            return True
+        uids = [e.uid for e in live]
+        self.ledger.resend_many(uids, slot.name)
         batch = Batch(
-            [entry.frames],
-            [entry.uid],
-            [entry.position],
-            u64([self.seq_of.get(entry.uid, 0)]),
+            [e.frames for e in live],
+            uids,
+            [e.position for e in live],
+            u64([self.seq_of.get(uid, 0) for uid in uids]),
             packed=False,
         )
-        batch.attempt = entry.attempt
+        batch.attempt = head.attempt
         self._send(ident, slot, batch)
+        # transport shm: events from several extents were copied into a new one, which
+        # must live until they are confirmed: the entries hold it, not the old ones
+        for entry, frames in zip(live, batch.enc, strict=True):
+            entry.frames = frames
         return True
 
     def _ordered_full(self) -> bool:
@@ -513,7 +593,18 @@ class _Input:
             return False
         return self.next_seq - self.seq_of.get(first[0], self.next_seq) >= self.reorder_window
 
+    def _events_to_read(self) -> int | None:
+        total = self.source.total() if isinstance(self.source, Source) else None
+        left = None if total is None else max(total - self.start_position, 0)
+        if self.max_events:
+            left = self.max_events if left is None else min(left, self.max_events)
+        return left
+
     def _read_batch(self, n: int) -> Batch | None:
+        # guided batch sizes: the work left, shared by the workers (batching.BatchSizer)
+        if self.to_read is not None:
+            self.sizer.remaining = max(self.to_read - self.read, 0)
+        self.sizer.workers = max(len(self.workers), self.n_workers)
         if self.encoded:
             enc, uids, positions = read_encoded(self, self.it, n)
         else:
@@ -603,8 +694,8 @@ class _Input:
             self.end_sent = True
             for ident in self.workers:
                 self.router.send_multipart([ident, *self._end_message()])
-        if self.workers or self.output_end_sent or self.output_id is None:
-            return
+        if self.workers or self.coming or self.output_end_sent or self.output_id is None:
+            return  # (a replacement still on its way gets END at its HELLO, then ends too)
         self.output_end_sent = True
         last = self.chain.run
         self.chain.end_run()

@@ -407,6 +407,27 @@ class Ledger:
                 found.append(LedgerEntry(-1, -1, worker, sent_at_s, 0, ()))
         return found
 
+    def requeue_unfinished(self, worker: Hashable, failure: Failure) -> list[LedgerEntry]:
+        """``worker`` left in order (GOODBYE): take back the events of the messages it
+        did not finish, uncharged. The events of messages it finished stay with it:
+        their results are on their way to the output. Call ``requeue_worker`` later for
+        whatever is still unconfirmed then. Without progress reports: ``requeue_worker``.
+        """
+        if not self._tracking:
+            return self.requeue_worker(worker, failure, culprit_uid=-1)
+        self._materialize_worker(worker)
+        q = self._unfinished.pop(worker, None)
+        wdict = self._by_worker.get(worker)
+        if not wdict or not q:
+            return []
+        open_sends = {send for send, _, _ in q}
+        back = [e for e in wdict.values() if e.send in open_sends]
+        for entry in back:
+            del wdict[entry.uid]
+            self._back_to_pending(entry)
+            entry.unstarted = True  # it left after a whole message, before these
+        return back
+
     def requeue_worker(
         self, worker: Hashable, failure: Failure, culprit_uid: int | None = None
     ) -> list[LedgerEntry]:
@@ -432,6 +453,7 @@ class Ledger:
             # message look current: rare, and bounded by max_attempts; see the docs)
             if len(suspects) == 1:
                 culprit_uid = suspects[0].uid
+            later = {send for send, _, _ in q} - {current} if q else set()
             for entry in entries:
                 if entry.uid == culprit_uid:
                     self._charge(entry, failure)
@@ -439,9 +461,18 @@ class Ledger:
                     self._suspect(entry, failure)
                 else:
                     self._back_to_pending(entry)
+                    entry.unstarted = entry.send in later
             return entries
         if culprit_uid is None and len(entries) == 1:
             culprit_uid = entries[0].uid
+        # results leave a worker one whole message at a time, in order: nothing of the
+        # message it died in (the culprit's) or of any later one can have left it
+        unstarted_from = None
+        by_uid = {e.uid: e for e in entries}
+        if culprit_uid is not None and culprit_uid in by_uid:
+            unstarted_from = by_uid[culprit_uid].send
+        elif culprit_uid == -1 and self._tracking and q and len(q) > 1:  # (READY may lag)
+            unstarted_from = q[1][0]
         for entry in entries:
             if entry.uid == culprit_uid or (culprit_uid is None and entry.isolate):
                 # an isolated event travelled alone: the failure is exactly its own
@@ -450,6 +481,7 @@ class Ledger:
                 self._suspect(entry, failure)
             else:
                 self._back_to_pending(entry)
+                entry.unstarted = unstarted_from is not None and entry.send >= unstarted_from
         return entries
 
     def _suspect(self, entry: LedgerEntry, failure: Failure) -> None:
@@ -495,17 +527,28 @@ class Ledger:
 
     def resend(self, uid: int, worker: Hashable) -> LedgerEntry:
         """A ``PENDING`` entry is sent again to ``worker`` (its attempt already counted)."""
-        entry = self._entries.get(uid)
-        if entry is None or entry.state is not _PENDING:
-            state = "confirmed or unknown" if entry is None else entry.state.value
-            raise InternalError(f"ledger: resend of uid {uid}, which is {state}, not pending")
-        entry.state = _IN_FLIGHT
-        entry.worker = worker
-        entry.sent_at_s = self._clock()
-        entry.send = self._new_send(worker, 1)
-        self._pending -= 1
-        self._worker_dict(worker)[uid] = entry
-        return entry
+        return self.resend_many([uid], worker)[0]
+
+    def resend_many(self, uids: Sequence[int], worker: Hashable) -> list[LedgerEntry]:
+        """``PENDING`` entries are sent again to ``worker``, together in one message."""
+        entries = []
+        for uid in uids:
+            entry = self._entries.get(uid)
+            if entry is None or entry.state is not _PENDING:
+                state = "confirmed or unknown" if entry is None else entry.state.value
+                raise InternalError(f"ledger: resend of uid {uid}, which is {state}, not pending")
+            entries.append(entry)
+        send = self._new_send(worker, len(entries))
+        now = self._clock()
+        wdict = self._worker_dict(worker)
+        for entry in entries:
+            entry.state = _IN_FLIGHT
+            entry.worker = worker
+            entry.sent_at_s = now
+            entry.send = send
+            wdict[entry.uid] = entry
+        self._pending -= len(entries)
+        return entries
 
     # --- introspection ------------------------------------------------------------------
     def get(self, uid: int) -> LedgerEntry | None:
@@ -610,6 +653,7 @@ class Ledger:
 
     def _back_to_pending(self, entry: LedgerEntry) -> None:
         entry.state = _PENDING
+        entry.unstarted = False  # (the callers that know better say so)
         entry.worker = None
         entry.attempt += 1
         self._pending += 1

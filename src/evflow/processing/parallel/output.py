@@ -14,6 +14,7 @@ and kept on disk for a restarted output (fills.py).
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -38,12 +39,15 @@ from evflow.processing.parallel.dedup import WrittenUids
 from evflow.processing.parallel.fills import Fills
 from evflow.processing.parallel.persist import decode_persistent, encode_persistent, merge_into
 from evflow.processing.parallel.reorder import SKIP, ReorderBuffer
+from evflow.processing.parallel.rolebus import IDLE_WAIT_MS
 from evflow.transport.paths import session_dir
 from evflow.transport.shm import ShmViews
 from evflow.wire.codec import decode_event, peek_meta, with_meta, with_value
 from evflow.wire.messages import BadMessageCounter, MsgType, encode_message
 
-#: confirm after this many events or this much time, whichever comes first
+#: confirm once this many events wait, or at most once per this interval: a result
+#: arriving after a quiet interval is confirmed at once (one wake-up, and no delay at
+#: the end of a run), results of a fast stream share one flush per interval
 CONFIRM_EVENTS = 4096
 CONFIRM_INTERVAL_S = 0.02
 #: a flush (fsync, a ROOT basket write) may cost milliseconds: the interval grows to
@@ -110,7 +114,7 @@ class _Output:
         del in_file
         self.pending: list[Any] = []  # uid arrays written, not yet flushed and confirmed
         self.pending_n = 0
-        self.pending_since = 0.0
+        self.confirmed_at = 0.0  # monotonic time of the last CONFIRM
         self.confirm_interval_s = CONFIRM_INTERVAL_S
         # --ordered: a restarted output learns where its order goes on from the input
         self.order: ReorderBuffer | None = None
@@ -146,10 +150,15 @@ class _Output:
         poller = zmq.Poller()
         for s in (self.pull, self.back, self.ctl):
             poller.register(s, zmq.POLLIN)
+        if bus.socket is not None:  # commands wake the loop (it may sleep 250 ms)
+            poller.register(bus.socket, zmq.POLLIN)
         self.progress.start()
         while True:
-            for sock, _ in poller.poll(10 if self.pending else 50):
-                self._drain(sock)
+            for sock, _ in poller.poll(self._wait_ms()):
+                if sock is bus.socket:
+                    bus.serve_now()
+                else:
+                    self._drain(sock)
             now = time.monotonic()
             if self.progress.due(now):
                 self.progress.update(self.events_done, now)
@@ -159,10 +168,7 @@ class _Output:
                 self.chain.abort()  # terminate the writers: files closed, readable
                 self._report(aborted=True)
                 return 0
-            if self.pending and (
-                self.pending_n >= CONFIRM_EVENTS
-                or time.monotonic() - self.pending_since >= self.confirm_interval_s
-            ):
+            if self.pending and (self.pending_n >= CONFIRM_EVENTS or self._confirm_wait_ms() == 0):
                 self._confirm()
             if self.end is not None and self._results_complete():
                 self._finish()
@@ -324,9 +330,19 @@ class _Output:
         if done:  # confirmed only once written, i.e. in input order
             self._written(np.array(done, dtype=np.uint64))
 
+    def _wait_ms(self) -> int:
+        """How long the loop may sleep: until a CONFIRM or a redraw of the progress bar
+        is due, at most IDLE_WAIT_MS (every wake-up costs the busy workers CPU)."""
+        wait_s = self.progress.next_due - time.monotonic()
+        wait = IDLE_WAIT_MS if wait_s * 1000 >= IDLE_WAIT_MS else max(0, math.ceil(wait_s * 1000))
+        return min(wait, self._confirm_wait_ms()) if self.pending else wait
+
+    def _confirm_wait_ms(self) -> int:
+        """Milliseconds until the next CONFIRM may go (0: now)."""
+        wait_s = self.confirmed_at + self.confirm_interval_s - time.monotonic()
+        return max(0, math.ceil(wait_s * 1000))
+
     def _written(self, uid_array: Any) -> None:
-        if not self.pending:
-            self.pending_since = time.monotonic()
         self.pending.append(uid_array)
         self.pending_n += len(uid_array)
 
@@ -342,6 +358,7 @@ class _Output:
         self.fills.confirmed(uids)  # flushed: the saved merged state may follow
         message = encode_message(MsgType.CONFIRM, {"n": len(uids)}, [uids.tobytes()])
         self.back.send_multipart(message)
+        self.confirmed_at = time.monotonic()
         self.pending = []
         self.pending_n = 0
 

@@ -147,12 +147,17 @@ class RoleBus:
             else:
                 command = True
         if command:
-            now = time.monotonic()
-            self._next_s = now + TICK_S
-            self._serve(now)  # a command: answer now, not at the next tick
+            self.serve_now()
         else:
             self.tick()
         return readable
+
+    def serve_now(self) -> None:
+        """The bus socket was readable (a command may wait): answer now, not at the
+        next tick. Roles that poll several sockets register :attr:`socket` too."""
+        now = time.monotonic()
+        self._next_s = now + TICK_S
+        self._serve(now)
 
     def _serve(self, now_s: float) -> None:
         client = self.client

@@ -144,6 +144,17 @@ def slot_of(worker_name: str) -> int:
     return int(worker_name.split("-")[1].split(".")[0])
 
 
+def worker_name(slot: int, generation: int) -> str:
+    """The name of the ``generation``-th process of worker slot ``slot`` (0: the first)."""
+    return f"worker-{slot}" if generation == 0 else f"worker-{slot}.{generation}"
+
+
+def successor_name(worker_name_: str) -> str:
+    """The name of the process that replaces ``worker_name_`` in its slot."""
+    base, _, gen = worker_name_.partition(".")
+    return f"{base}.{int(gen or 0) + 1}"
+
+
 _current: Scoreboard | None = None
 
 

@@ -139,7 +139,7 @@ class _Worker:
                 if self.memory_limit_b and self._over_memory():
                     # recycle: end like at END (results, statistics, GOODBYE); the input
                     # sends what this worker still held elsewhere; the parent forks anew
-                    self._finish(None)
+                    self._finish(None, recycled=True)
                     return EXIT_RECYCLE
             elif msg.type == MsgType.END:
                 self._finish(msg.header.get("run"))
@@ -270,7 +270,7 @@ class _Worker:
             rss_b = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         return rss_b > self.memory_limit_b
 
-    def _finish(self, last_run: Any) -> None:
+    def _finish(self, last_run: Any, recycled: bool = False) -> None:
         chain = self.chain
         if chain.run is None and last_run:
             run = run_of(last_run)
@@ -297,7 +297,10 @@ class _Worker:
             )
         )
         self.dealer.send_multipart(
-            encode_message(MsgType.GOODBYE, {"in": self.events_in, "kept": self.events_kept})
+            encode_message(
+                MsgType.GOODBYE,
+                {"in": self.events_in, "kept": self.events_kept, "recycled": recycled},
+            )
         )
         # RESULT and GOODBYE must leave before the sockets close
         for sock in (self.push, self.dealer, self.ctl):

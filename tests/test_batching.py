@@ -1,4 +1,5 @@
-"""The packed-batch layout: what the ledger keeps of a sent batch reads back exactly."""
+"""The packed-batch layout (what the ledger keeps of a sent batch reads back exactly)
+and the batch sizes the input chooses."""
 
 from __future__ import annotations
 
@@ -6,7 +7,17 @@ import numpy as np
 import pytest
 
 from evflow.processing.datastore import DataStore, EventMeta
-from evflow.processing.parallel.batching import PackedEvents, pack_batch, unpack_batch
+from evflow.processing.parallel.batching import (
+    MAX_BATCH_EVENTS,
+    MAX_BATCH_WORK_S,
+    TARGET_BATCH_B,
+    TARGET_BATCH_WORK_S,
+    TIMEOUT_SHARE,
+    BatchSizer,
+    PackedEvents,
+    pack_batch,
+    unpack_batch,
+)
 from evflow.wire.codec import decode_event, encode_event
 
 
@@ -39,3 +50,54 @@ def test_packed_events_refuse_an_index_outside_the_batch() -> None:
     kept = PackedEvents(blob, header["n"], header["l"])  # type: ignore[arg-type]
     with pytest.raises(IndexError, match="event 3 of a batch of 3"):
         kept[3]
+
+
+# --- batch sizes -------------------------------------------------------------------------
+def _sizer(work_s: float, remaining: int | None, workers: int = 2, **kw: float) -> BatchSizer:
+    sizer = BatchSizer(**kw)  # type: ignore[arg-type]
+    sizer.observe_size(1024)
+    sizer.observe_work(work_s)
+    sizer.remaining, sizer.workers = remaining, workers
+    return sizer
+
+
+def test_expensive_events_share_the_work_left_and_batches_shrink_to_the_end() -> None:
+    sizes = [_sizer(0.01, left).size() for left in (4000, 400, 100, 40, 8, 2)]
+    # 0.5 s of work at most; then 1/(2 x 2 workers) of what is left; at least one event
+    assert sizes == [50, 50, 25, 10, 2, 1]
+    # more workers share the same work: smaller batches
+    assert _sizer(0.01, 100, workers=4).size() == 12
+
+
+def test_without_a_known_length_batches_hold_the_minimum_work() -> None:
+    assert _sizer(0.001, None).size() == int(TARGET_BATCH_WORK_S / 0.001)
+    # until a worker reported its speed: a few events
+    fresh = BatchSizer()
+    fresh.observe_size(1024)
+    fresh.remaining = 10_000
+    assert fresh.size() == 4
+
+
+def test_cheap_events_are_batched_by_bytes_and_the_event_limit() -> None:
+    assert _sizer(1e-6, 1_000_000).size() == MAX_BATCH_EVENTS
+    big = _sizer(1e-6, 1_000_000)
+    big.observe_size(100_000)
+    for _ in range(30):
+        big.observe_size(100_000)
+    assert big.size() == TARGET_BATCH_B // 100_000
+
+
+def test_an_event_timeout_caps_the_work_of_a_batch() -> None:
+    # the timeout watches progress message by message: a batch must end well within it
+    capped = _sizer(0.01, 100_000, event_timeout_s=0.4)
+    assert capped.size() == int(TIMEOUT_SHARE * 0.4 / 0.01)
+    assert capped.size() * 0.01 <= 0.4 / 2
+    assert _sizer(0.01, 100_000).size() * 0.01 == pytest.approx(MAX_BATCH_WORK_S)
+
+
+def test_expensive_events_keep_little_queued_in_a_worker() -> None:
+    # what waits in a worker when the source ends is what the others may idle for
+    ending = _sizer(0.01, 2)
+    assert ending.window(event_buffer=4) == 2  # one running, one queued: not the credit
+    cheap = _sizer(1e-5, 8)
+    assert cheap.window(event_buffer=4) >= 4  # cheap events use the credit

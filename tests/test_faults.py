@@ -114,3 +114,17 @@ def test_bad_parameters_are_refused_with_the_name() -> None:
     with pytest.raises(ParameterError, match="mode"):
         FaultInjector(mode="explode")
     assert FaultInjector.parallel is True
+
+
+def test_once_dir_fails_each_listed_uid_once_across_processes_and_attempts(tmp_path) -> None:
+    def injector() -> FaultInjector:  # one per process, sharing the marker directory
+        return FaultInjector(mode="raise", uids=[7], once_dir=str(tmp_path))
+
+    first, second = injector(), injector()
+    with pytest.raises(InjectedFault, match="uid=7 attempt=2"):
+        # attempt 2: it waited in a worker that died for another event, never processed
+        first.event(DataStore(EventMeta(uid=7, attempt=2)))
+    second.event(DataStore(EventMeta(uid=7, attempt=1)))  # done once: no more
+    first.event(DataStore(EventMeta(uid=8, attempt=1)))  # not listed
+    assert (first.injected, second.injected) == (1, 0)
+    assert [p.name for p in tmp_path.iterdir()] == ["FaultInjector-7.injected"]

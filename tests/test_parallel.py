@@ -323,3 +323,44 @@ def test_parallel_run_draws_a_progress_bar_of_every_event(
     )
     assert quiet.events_read == 50
     assert "/50" not in capfd.readouterr().err
+
+
+# --- Module.preload --------------------------------------------------------------------
+class NeedsPreloaded(Module):
+    """Fails in its worker unless its heavy module was imported before the fork."""
+
+    parallel = True
+    preload = ("evflow_test_heavy",)
+
+    def initialize(self) -> None:
+        import sys
+
+        if "evflow_test_heavy" not in sys.modules:
+            raise RuntimeError("evflow_test_heavy was imported after the fork")
+
+
+def test_preload_imports_a_module_once_before_the_processes_fork(
+    tmp_path: FsPath, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "evflow_test_heavy.py").write_text("LOADED = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(__import__("sys").modules, "evflow_test_heavy", raising=False)
+    path = Path([ToyGenerator(n_events=20), NeedsPreloaded()])
+    summary = run_parallel(path, ProcessOptions(workers=2, quiet=True))
+    assert summary.events_written == 20
+
+
+@pytest.mark.parametrize(
+    ("preload", "message"),
+    [
+        (("evflow_no_such_module",), "cannot preload 'evflow_no_such_module'"),
+        ("evflow_test_heavy", "preload must be a tuple of module names"),
+    ],
+)
+def test_a_bad_preload_is_one_clear_error(preload: Any, message: str) -> None:
+    module = NeedsPreloaded(name="needy")
+    module.preload = preload  # type: ignore[misc]
+    with pytest.raises(evflow.errors.ConfigurationError, match=f"module 'needy': {message}"):
+        run_parallel(
+            Path([ToyGenerator(n_events=5), module]), ProcessOptions(workers=1, quiet=True)
+        )

@@ -200,7 +200,7 @@ def _remove_empty_parent(files: list[Path]) -> None:
 
 
 #: reconnect interval of ipc connects (ms), doubling up to the maximum (ms)
-IPC_RECONNECT_IVL_MS = 10
+IPC_RECONNECT_IVL_MS = 2
 IPC_RECONNECT_IVL_MAX_MS = 100
 
 

@@ -62,6 +62,7 @@ class MsgType(IntEnum):
     HEARTBEAT = 16
     ACK = 17  # generic acknowledgement (e.g. of END or GOODBYE)
     ORDER = 18  # input -> output, --ordered: {"seq": n, "done": [...]} where the order goes on
+    DRAIN = 19  # input -> output: the source is read out, confirm what is written at once
 
 
 # Type byte -> MsgType, built once (members are added only at import time).

@@ -153,14 +153,15 @@ class Parent:
             self.bus = BusClient(ctx, "parallel", proxy.endpoints, state=self._bus_state)
             self.bus.handle("get-run", lambda args: self._progress())
             self.bus.publish_state(new="RUNNING")
-            self.pids[zygote.spawn(output_main, self.session, self.role_options, name="output")] = (
-                "output"
-            )
+            # the first event needs the input and a worker; the output only its result
             self.pids[zygote.spawn(input_main, self.session, self.role_options, name="input")] = (
                 "input"
             )
             for i in range(self.n_workers):
                 self._spawn_worker(i)
+            self.pids[zygote.spawn(output_main, self.session, self.role_options, name="output")] = (
+                "output"
+            )
             self._loop()
             wall_s = time.monotonic() - start
         finally:

@@ -178,6 +178,7 @@ class _Input:
         self.abort = False
         self.end_sent = False
         self.output_id: bytes | None = None
+        self.drain_sent = False  # DRAIN: the source is read out (the output confirms at once)
         self.output_end_sent = False
         self.done = False
         self.bad = BadMessageCounter("input")
@@ -228,6 +229,9 @@ class _Input:
                     self._check_leavers()
                 if self.checkpoint is not None and self.checkpoint.due():
                     self.checkpoint.maybe_write(*self._checkpoint_point())
+                if self.exhausted and not self.drain_sent and self.output_id is not None:
+                    self.drain_sent = True  # the last CONFIRMs should not wait: tell the output
+                    self.back.send_multipart([self.output_id, *encode_message(MsgType.DRAIN)])
                 self._maybe_end()
                 bus.tick()  # time-gated: the control bus (rolebus.py)
             if self.checkpoint is not None:  # everything confirmed: where a resume starts
@@ -341,6 +345,7 @@ class _Input:
         elif msg.type == MsgType.HELLO:
             restarted = self.output_id is not None
             self.output_id = frames[0]
+            self.drain_sent = False  # (a new output must hear it too)
             if self.ordered:  # before anything else: where the output's order goes on
                 order = encode_message(MsgType.ORDER, self._order_start())
                 self.back.send_multipart([self.output_id, *order])

@@ -115,6 +115,9 @@ class _Output:
         self.pending: list[Any] = []  # uid arrays written, not yet flushed and confirmed
         self.pending_n = 0
         self.confirmed_at = 0.0  # monotonic time of the last CONFIRM
+        # the input read its source out (DRAIN): it waits for the last CONFIRMs, so
+        # they go at once, not once per interval
+        self.draining = False
         self.confirm_interval_s = CONFIRM_INTERVAL_S
         # --ordered: a restarted output learns where its order goes on from the input
         self.order: ReorderBuffer | None = None
@@ -213,6 +216,8 @@ class _Output:
                 elif msg.type == MsgType.ORDER and self.order is not None:
                     self.order.start_at(int(msg.header["seq"]), map(int, msg.header["done"]))
                     self._emit_in_order()
+                elif msg.type == MsgType.DRAIN:
+                    self.draining = True
                 elif msg.type == MsgType.HELLO:  # from the parent: a new input started
                     self.back.send_multipart(encode_message(MsgType.HELLO, self.hello))
             except (KeyError, TypeError, ValueError, IndexError) as exc:
@@ -339,6 +344,8 @@ class _Output:
 
     def _confirm_wait_ms(self) -> int:
         """Milliseconds until the next CONFIRM may go (0: now)."""
+        if self.draining:
+            return 0
         wait_s = self.confirmed_at + self.confirm_interval_s - time.monotonic()
         return max(0, math.ceil(wait_s * 1000))
 

@@ -329,9 +329,9 @@ class _Input:
             # the results of those it finished are on their way to the output
             entries = self.ledger.requeue_unfinished(slot.name, RECYCLED)
             self.resend.extend(e for e in entries if not e.poisoned)
-            self.leavers[slot.name] = time.monotonic() + RESULTS_GRACE_S
-            if msg.header.get("recycled"):  # the parent forks its successor
-                self._expect(successor_name(slot.name))
+            if msg.header.get("recycled"):  # (at the end of the run nothing is left)
+                self.leavers[slot.name] = time.monotonic() + RESULTS_GRACE_S
+                self._expect(successor_name(slot.name))  # the parent forks it
 
     def _on_output(self, frames: list[bytes]) -> None:
         msg = decode_message(frames[1:])
@@ -561,11 +561,11 @@ class _Input:
         if head.isolate and slot.inflight:
             return False
         picked = [self.resend.popleft()]
-        if head.unstarted:
+        if head.unstarted and not head.isolate:
             limit = max(1, min(room, self.sizer.size()))
             while self.resend and len(picked) < limit:
                 entry = self.resend[0]
-                if not entry.unstarted or entry.attempt != head.attempt:
+                if entry.isolate or not entry.unstarted or entry.attempt != head.attempt:
                     break  # (one message carries one attempt number)
                 picked.append(self.resend.popleft())
         # confirmed meanwhile: its first result arrived after all

@@ -219,6 +219,7 @@ class _Output:
                 elif msg.type == MsgType.DRAIN:
                     self.draining = True
                 elif msg.type == MsgType.HELLO:  # from the parent: a new input started
+                    self.draining = False  # (it reads again from its checkpoint)
                     self.back.send_multipart(encode_message(MsgType.HELLO, self.hello))
             except (KeyError, TypeError, ValueError, IndexError) as exc:
                 self.bad.record("bad-header", f"{type(exc).__name__}: {exc}")

@@ -152,11 +152,14 @@ def test_chaos_20000_events_kills_hangs_and_poison_every_uid_exactly_once(
     c = summary.counters
     # every lost worker was replaced: the pool healed between kills and ended at its size
     assert killer.kills >= 50
-    assert c["workers restarted"] == c["workers lost"] >= killer.kills
+    # (a replacement the backoff delayed is not forked once the input is done: the run
+    # ended before it was due, and the slot stays empty)
+    ended_first = c["restarts not needed (run ended)"]
+    assert c["workers restarted"] + ended_first == c["workers lost"] >= killer.kills
     pool = killer.pool[next(i for i, k in enumerate(killer.pool) if k) :]  # after start-up
     assert sorted(pool)[len(pool) // 2] == 4, pool  # (a loaded machine may lag a moment)
     finals = {m.process for m in summary.modules if m.process.startswith("worker")}
-    assert len(finals) == 4, finals
+    assert len(finals) == 4 - ended_first, finals
     assert summary.events_read == n
     assert summary.events_written + summary.events_quarantined == n
     assert c["timeouts"] >= 1 and c["events lost"] == 0

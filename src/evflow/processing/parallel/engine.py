@@ -107,6 +107,7 @@ class Parent:
         self.input_restarts = 0
         self.max_input_restarts = int(extra.get("max_input_restarts", 3))
         self.recycled = 0
+        self.restarts_cancelled = 0  # delayed replacements the end of the run made needless
         self.max_output_restarts = int(extra.get("max_output_restarts", 3))
         self.session = f"par-{os.getpid()}-{secrets.token_hex(3)}"
         self.pids: dict[int, str] = {}  # live children: pid -> role name
@@ -390,7 +391,9 @@ class Parent:
             return
         ending = self.hard or self.error is not None or self.aborting_at
         if ending or "input" not in self.pids.values():  # the input is done: no more events
-            self.restarts -= self.backoff.cancel(time.monotonic())  # scheduled, never forked
+            cancelled = self.backoff.cancel(time.monotonic())  # scheduled, never forked
+            self.restarts -= cancelled
+            self.restarts_cancelled += cancelled
             return
         for index in self.backoff.pop_due(time.monotonic()):
             self._spawn_worker(index)
@@ -485,6 +488,7 @@ class Parent:
             stats = self.backoff.stats()
             counters["restarts delayed"] = stats.delayed
             counters["restart backoff (s)"] = round(stats.total_delay_s, 3)
+            counters["restarts not needed (run ended)"] = self.restarts_cancelled
         ledger = inp.get("ledger")
         if ledger:  # reliability: what the input's ledger saw
             counters["retries"] = int(ledger["retries"])

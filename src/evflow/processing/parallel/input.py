@@ -49,7 +49,7 @@ from evflow.processing.parallel.fastpath import encoded_source, read_encoded
 from evflow.processing.parallel.ledger import Failure, Ledger, LedgerEntry
 from evflow.processing.parallel.persist import encode_persistent
 from evflow.processing.parallel.rolebus import IDLE_WAIT_MS
-from evflow.processing.parallel.scoreboard import successor_name
+from evflow.processing.parallel.roster import Roster
 from evflow.transport.shm import ShmArena
 from evflow.wire.codec import encode_event
 from evflow.wire.messages import (
@@ -62,9 +62,6 @@ from evflow.wire.messages import (
 
 #: with event_timeout_s, the input looks for workers without progress this often (ms)
 TIMEOUT_CHECK_MS = 50
-#: a worker that left in order (recycled) sent the results of the messages it finished
-#: before its GOODBYE: they are sent again only if still unconfirmed after this (s)
-RESULTS_GRACE_S = 5.0
 RECYCLED = Failure("recycled", "worker ended early (worker_memory_limit_mb)")
 
 
@@ -155,13 +152,8 @@ class _Input:
         # --ordered only: uid -> input sequence number, of the events not yet confirmed
         self.seq_of: dict[int, int] = {}
         self.timeouts_asked: set[Any] = set()
-        # workers that said GOODBYE -> when their finished, unconfirmed events go again
-        self.leavers: dict[str, float] = {}
-        # workers the parent forks as replacements that have not said HELLO yet (named in
-        # a WORKER_LOST; a recycled worker's successor); the run does not end before they
-        # did, or one would wait for events nobody sends. The HELLO may come first.
-        self.coming: set[str] = set()
-        self.greeted: set[str] = set()  # names of every worker that said HELLO
+        # replacements on their way, recycled workers whose results are due (roster.py)
+        self.roster = Roster()
         self.next_check_s = 0.0
         self.quarantined = 0
         self.on_event_error = str(options.get("on_event_error") or "retry")
@@ -225,7 +217,7 @@ class _Input:
                     self._feed()
                 if self.ledger.event_timeout_s is not None:
                     self._check_timeouts()
-                if self.leavers:
+                if self.roster.leavers:
                     self._check_leavers()
                 if self.checkpoint is not None and self.checkpoint.due():
                     self.checkpoint.maybe_write(*self._checkpoint_point())
@@ -318,8 +310,7 @@ class _Input:
         elif msg.type == MsgType.HELLO:
             check_hello(msg.header)
             self.workers[ident] = _Slot(str(msg.header["name"]), int(msg.header["pid"]))
-            self.greeted.add(str(msg.header["name"]))
-            self.coming.discard(str(msg.header["name"]))
+            self.roster.hello(str(msg.header["name"]))
             if self.end_sent:
                 self.router.send_multipart([ident, *self._end_message()])
         elif msg.type == MsgType.GOODBYE and slot is not None:
@@ -330,8 +321,7 @@ class _Input:
             entries = self.ledger.requeue_unfinished(slot.name, RECYCLED)
             self.resend.extend(e for e in entries if not e.poisoned)
             if msg.header.get("recycled"):  # (at the end of the run nothing is left)
-                self.leavers[slot.name] = time.monotonic() + RESULTS_GRACE_S
-                self._expect(successor_name(slot.name))  # the parent forks it
+                self.roster.recycled(slot.name, time.monotonic())
 
     def _on_output(self, frames: list[bytes]) -> None:
         msg = decode_message(frames[1:])
@@ -374,13 +364,8 @@ class _Input:
             culprit = int(msg.header["uid"]) if blame == "busy" else -1 if blame == "idle" else None
             self.requeue(str(msg.header["name"]), failure, culprit)
             # a replacement forked at once: the run does not end before it said HELLO
-            self.coming.discard(str(msg.header["name"]))  # (if it died before its HELLO)
-            if msg.header.get("replacement"):
-                self._expect(str(msg.header["replacement"]))
-
-    def _expect(self, name: str) -> None:
-        if name not in self.greeted:
-            self.coming.add(name)
+            replacement = msg.header.get("replacement")
+            self.roster.lost(str(msg.header["name"]), str(replacement) if replacement else None)
 
     def requeue(self, name: str, failure: Failure, culprit_uid: int | None = None) -> int:
         """Take back every unconfirmed event of the lost worker ``name``.
@@ -498,21 +483,16 @@ class _Input:
     def _idle_ms(self) -> int:
         """How long the loop may sleep with nothing to send: every wake-up costs the
         busy workers CPU, so only as often as a timeout check or checkpoint needs."""
-        if self.ledger.event_timeout_s is not None or self.leavers:
+        if self.ledger.event_timeout_s is not None or self.roster.leavers:
             return TIMEOUT_CHECK_MS
         if self.checkpoint is not None:
             return min(IDLE_WAIT_MS, max(1, math.ceil(self.checkpoint.due_in_s() * 1000)))
         return IDLE_WAIT_MS
 
     def _check_leavers(self) -> None:
-        now = time.monotonic()
-        for name, deadline in list(self.leavers.items()):
-            if not self.ledger.in_flight(name):
-                del self.leavers[name]  # all its results came
-            elif now >= deadline:
-                del self.leavers[name]
-                entries = self.ledger.requeue_worker(name, RECYCLED, culprit_uid=-1)
-                self.resend.extend(e for e in entries if not e.poisoned)
+        for name in self.roster.overdue(time.monotonic(), self.ledger.in_flight):
+            entries = self.ledger.requeue_worker(name, RECYCLED, culprit_uid=-1)
+            self.resend.extend(e for e in entries if not e.poisoned)
 
     def _check_timeouts(self) -> None:
         now = time.monotonic()
@@ -699,7 +679,7 @@ class _Input:
             self.end_sent = True
             for ident in self.workers:
                 self.router.send_multipart([ident, *self._end_message()])
-        if self.workers or self.coming or self.output_end_sent or self.output_id is None:
+        if self.workers or self.roster.coming or self.output_end_sent or self.output_id is None:
             return  # (a replacement still on its way gets END at its HELLO, then ends too)
         self.output_end_sent = True
         last = self.chain.run

@@ -22,7 +22,13 @@ import pytest
 import zmq
 
 from evflow.errors import TimeoutError_
-from evflow.processing.parallel.rolebus import FIRST_METRICS_S, RoleBus, node_id_of
+from evflow.processing.parallel.rolebus import (
+    FIRST_METRICS_S,
+    IDLE_WAIT_MS,
+    RoleBus,
+    node_id_of,
+    wait_ms,
+)
 from evflow.runtime.bus import BusController, BusEndpoints, BusProxy, find_bus_sessions
 from evflow.runtime.busclient import open_bus_sockets
 from evflow.wire.messages import MsgType, decode_message, encode_message
@@ -377,3 +383,10 @@ def test_role_bus_without_a_proxy_never_blocks_the_role():
         assert bus.errors == 0
     finally:
         ctx.term()
+
+
+def test_wait_ms_rounds_up_stops_at_zero_and_caps_what_is_far_or_never_due() -> None:
+    assert wait_ms(0.0101) == 11  # never wake before the deadline
+    assert wait_ms(-3.0) == 0
+    assert wait_ms(float("inf")) == wait_ms(10.0) == IDLE_WAIT_MS
+    assert wait_ms(0.5, cap_ms=20) == 20

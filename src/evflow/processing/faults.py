@@ -97,11 +97,10 @@ class FaultInjector(Module):
     def event(self, store: DataStore) -> bool | None:
         meta = store.meta
         if self.once_dir and meta.uid in self._uids:
-            if self._first_time(meta.uid):
-                self.injected += 1
-                self._inject(meta.uid, meta.attempt)
-            return None
-        if self.chosen(meta.uid, meta.attempt):
+            fails = self._first_time(meta.uid)
+        else:
+            fails = self.chosen(meta.uid, meta.attempt)
+        if fails:
             self.injected += 1
             self._inject(meta.uid, meta.attempt)
         return None

@@ -374,11 +374,11 @@ class Parent:
             lost["uid"] = reading.uid
         self.board.clear(index)  # before the replacement exists: nobody else writes it
         # backoff: a streak of workers dying before finishing an event delays the fork
-        now = self.backoff.replace(index, time.monotonic(), crashed) == 0.0
-        if now:  # the input waits for its HELLO before it ends the run (or it is orphaned)
+        at_once = self.backoff.replace(index, time.monotonic(), crashed) == 0.0
+        if at_once:  # the input waits for its HELLO before it ends the run (or it is orphaned)
             lost["replacement"] = self._worker_name(index)
         self._send("input", MsgType.WORKER_LOST, lost)
-        if now:
+        if at_once:
             self._spawn_worker(index)
 
     def _tend_backoff(self) -> None:

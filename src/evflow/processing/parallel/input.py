@@ -20,7 +20,6 @@ its order goes on (``reorder.py``).
 from __future__ import annotations
 
 import collections
-import math
 import os
 import signal
 import time
@@ -48,7 +47,7 @@ from evflow.processing.parallel.common import RoleBus, channel, current_split, r
 from evflow.processing.parallel.fastpath import encoded_source, read_encoded
 from evflow.processing.parallel.ledger import Failure, Ledger, LedgerEntry
 from evflow.processing.parallel.persist import encode_persistent
-from evflow.processing.parallel.rolebus import IDLE_WAIT_MS
+from evflow.processing.parallel.rolebus import IDLE_WAIT_MS, wait_ms
 from evflow.processing.parallel.roster import Roster
 from evflow.transport.shm import ShmArena
 from evflow.wire.codec import encode_event
@@ -486,7 +485,7 @@ class _Input:
         if self.ledger.event_timeout_s is not None or self.roster.leavers:
             return TIMEOUT_CHECK_MS
         if self.checkpoint is not None:
-            return min(IDLE_WAIT_MS, max(1, math.ceil(self.checkpoint.due_in_s() * 1000)))
+            return max(1, wait_ms(self.checkpoint.due_in_s()))
         return IDLE_WAIT_MS
 
     def _check_leavers(self) -> None:

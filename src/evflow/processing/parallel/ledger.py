@@ -468,9 +468,9 @@ class Ledger:
         # results leave a worker one whole message at a time, in order: nothing of the
         # message it died in (the culprit's) or of any later one can have left it
         unstarted_from = None
-        by_uid = {e.uid: e for e in entries}
-        if culprit_uid is not None and culprit_uid in by_uid:
-            unstarted_from = by_uid[culprit_uid].send
+        culprit = next((e for e in entries if e.uid == culprit_uid), None)
+        if culprit is not None:
+            unstarted_from = culprit.send
         elif culprit_uid == -1 and self._tracking and q and len(q) > 1:  # (READY may lag)
             unstarted_from = q[1][0]
         for entry in entries:

@@ -39,7 +39,7 @@ from evflow.processing.parallel.dedup import WrittenUids
 from evflow.processing.parallel.fills import Fills
 from evflow.processing.parallel.persist import decode_persistent, encode_persistent, merge_into
 from evflow.processing.parallel.reorder import SKIP, ReorderBuffer
-from evflow.processing.parallel.rolebus import IDLE_WAIT_MS
+from evflow.processing.parallel.rolebus import wait_ms
 from evflow.transport.paths import session_dir
 from evflow.transport.shm import ShmViews
 from evflow.wire.codec import decode_event, peek_meta, with_meta, with_value
@@ -339,16 +339,15 @@ class _Output:
     def _wait_ms(self) -> int:
         """How long the loop may sleep: until a CONFIRM or a redraw of the progress bar
         is due, at most IDLE_WAIT_MS (every wake-up costs the busy workers CPU)."""
-        wait_s = self.progress.next_due - time.monotonic()
-        wait = IDLE_WAIT_MS if wait_s * 1000 >= IDLE_WAIT_MS else max(0, math.ceil(wait_s * 1000))
+        wait = wait_ms(self.progress.next_due - time.monotonic())
         return min(wait, self._confirm_wait_ms()) if self.pending else wait
 
     def _confirm_wait_ms(self) -> int:
         """Milliseconds until the next CONFIRM may go (0: now)."""
         if self.draining:
             return 0
-        wait_s = self.confirmed_at + self.confirm_interval_s - time.monotonic()
-        return max(0, math.ceil(wait_s * 1000))
+        due_s = self.confirmed_at + self.confirm_interval_s - time.monotonic()
+        return wait_ms(due_s, cap_ms=math.ceil(self.confirm_interval_s * 1000))
 
     def _written(self, uid_array: Any) -> None:
         self.pending.append(uid_array)

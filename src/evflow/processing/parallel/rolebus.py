@@ -24,6 +24,7 @@ failure in the bus code is counted in ``errors`` and logged once.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +40,16 @@ log = logging.getLogger("evflow.parallel.bus")
 TICK_S = 0.05
 #: an idle worker wakes at least this often (ms) to publish its metrics
 IDLE_WAIT_MS = 250
+
+
+def wait_ms(seconds: float, cap_ms: int = IDLE_WAIT_MS) -> int:
+    """A poll timeout: ``seconds`` from now rounded up to milliseconds, 0 when past,
+    at most ``cap_ms`` (``seconds`` may be infinite: nothing is due)."""
+    if seconds * 1000 >= cap_ms:
+        return cap_ms
+    return max(0, math.ceil(seconds * 1000))
+
+
 #: the first metrics (a psutil snapshot, ~1.5 ms of CPU in a fresh fork) wait this
 #: long (s), so that 32 workers starting on 2 cores do not pay it while they start
 FIRST_METRICS_S = 1.0

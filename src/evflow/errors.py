@@ -44,6 +44,14 @@ class CheckpointError(InputError):
     """A checkpoint file that is corrupt, of an unknown version or of another run."""
 
 
+class NotFoundError(InputError, LookupError):
+    """Something asked for by name or id that is not there (a QC object path, a version)."""
+
+
+class StorageFullError(OutputError):
+    """An output whose disk is full; writing may succeed again once space is freed."""
+
+
 # --- processing ----------------------------------------------------------------------
 class ModuleError(EvflowError):
     """User code raised inside a module hook; carries the module, hook and event uid."""

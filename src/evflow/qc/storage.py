@@ -1,0 +1,175 @@
+"""``RepositoryWriter``: the merger's subscriber that checks each object and stores it.
+
+Call it with every ``PublishedObject``. It never raises into the merger: a full disk
+(or any failed write) opens a *gap*: the writer logs it once, keeps what it could not
+store in a bounded queue (the oldest are dropped first and counted as lost: a later
+integral contains their entries), retries at most every ``retry_interval_s``, and
+when a write succeeds again stores the queue in order, logs the end of the gap and
+records it in the repository's ``gaps`` table.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from evflow.errors import CodecError, OutputError
+from evflow.qc.checksuite import CheckSuite, SuiteResult
+from evflow.qc.publication import PublishedObject
+from evflow.qc.repository import Repository
+
+log = logging.getLogger("evflow.qc.storage")
+
+
+@dataclass(frozen=True)
+class WriterStatistics:
+    """Counts since the writer started; ``storing`` is False during a gap."""
+
+    received: int
+    stored: int
+    pending: int
+    lost: int
+    unstorable: int
+    gaps: int
+    storing: bool
+
+
+@dataclass
+class _Pending:
+    published: PublishedObject
+    result: SuiteResult
+    version_id: int | None = None
+    qualities_done: int = 0
+    received: float = field(default_factory=time.time)
+
+
+class RepositoryWriter:
+    """Runs ``checks`` on each published object and stores object and qualities."""
+
+    def __init__(
+        self,
+        repository: Repository,
+        checks: CheckSuite | None = None,
+        *,
+        max_pending: int = 1000,
+        retry_interval_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        self.repository = repository
+        self.checks = checks or CheckSuite()
+        self.max_pending = max_pending
+        self.retry_interval_s = retry_interval_s
+        self._clock = clock
+        self._pending: deque[_Pending] = deque()
+        self._gap_started: float | None = None  # wall time of the first failed write
+        self._gap_reason = ""
+        self._gap_lost = 0
+        self._gap_stored = 0
+        self._next_retry = 0.0
+        self._unstorable_paths: set[str] = set()
+        self._received = self._stored = self._lost = self._unstorable = self._gaps = 0
+
+    def __call__(self, published: PublishedObject) -> None:
+        """Check and store one object; never raises (the merger must go on)."""
+        self._received += 1
+        try:
+            result = self.checks.run(published)
+        except Exception as exc:  # the suite guards each check; this is a last resort
+            log.error("checks on %s failed: %s: %s", published.path, type(exc).__name__, exc)
+            result = SuiteResult()
+        self._pending.append(_Pending(published, result))
+        while len(self._pending) > self.max_pending:
+            self._pending.popleft()
+            self._lost += 1
+            self._gap_lost += 1
+        if self._gap_started is None or self._clock() >= self._next_retry:
+            self.flush()
+
+    def flush(self) -> bool:
+        """Store what is pending now; True when nothing is left pending."""
+        while self._pending:
+            item = self._pending[0]
+            try:
+                self._store(item)
+            except CodecError as exc:
+                self._pending.popleft()
+                self._unstorable += 1
+                if item.published.path not in self._unstorable_paths:
+                    self._unstorable_paths.add(item.published.path)
+                    log.error("QC object %s cannot be stored: %s", item.published.path, exc)
+                continue
+            except OutputError as exc:
+                self._open_gap(exc)
+                return False
+            self._pending.popleft()
+            self._stored += 1
+            if self._gap_started is not None:
+                self._gap_stored += 1
+        if self._gap_started is not None:
+            self._close_gap()
+        return True
+
+    def statistics(self) -> WriterStatistics:
+        return WriterStatistics(
+            received=self._received,
+            stored=self._stored,
+            pending=len(self._pending),
+            lost=self._lost,
+            unstorable=self._unstorable,
+            gaps=self._gaps,
+            storing=self._gap_started is None,
+        )
+
+    def _store(self, item: _Pending) -> None:
+        published, result = item.published, item.result
+        if item.version_id is None:
+            item.version_id = self.repository.store(published, result.quality)
+        extra = result.checks + result.aggregates
+        while item.qualities_done < len(extra):
+            quality = extra[item.qualities_done]
+            own = item.qualities_done < len(result.checks)
+            self.repository.store_quality(
+                quality,
+                run=published.run,
+                cycle=published.cycle,
+                version_id=item.version_id if own else None,
+                created=published.created or None,
+            )
+            item.qualities_done += 1
+
+    def _open_gap(self, exc: OutputError) -> None:
+        self._next_retry = self._clock() + self.retry_interval_s
+        if self._gap_started is not None:
+            return
+        self._gap_started = time.time()
+        self._gap_reason = str(exc)
+        self._gap_lost = self._gap_stored = 0
+        self._gaps += 1
+        log.warning(
+            "QC storing paused: %s; keeping up to %d objects pending, retrying every %g s",
+            exc,
+            self.max_pending,
+            self.retry_interval_s,
+        )
+
+    def _close_gap(self) -> None:
+        assert self._gap_started is not None
+        ended = time.time()
+        log.warning(
+            "QC storing resumed after a gap of %.1f s: %d objects stored late, %d lost",
+            ended - self._gap_started,
+            self._gap_stored,
+            self._gap_lost,
+        )
+        try:
+            self.repository.record_gap(
+                self._gap_started, ended, self._gap_stored, self._gap_lost, self._gap_reason
+            )
+        except OutputError as exc:
+            log.warning("could not record the storing gap in the repository: %s", exc)
+        self._gap_started = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -83,6 +84,8 @@ class Repository:
         self.path = Path(path)
         self.readonly = readonly
         self.retention = Retention.from_config(retention)
+        # one connection shared by the threads of a web server: calls take turns
+        self._lock = threading.RLock()
         self._conn = self._open()
 
     # --- opening -------------------------------------------------------------------------
@@ -98,9 +101,13 @@ class Repository:
         try:
             if self.readonly:
                 uri = f"{self.path.absolute().as_uri()}?mode=ro"
-                conn = sqlite3.connect(uri, uri=True, timeout=_BUSY_TIMEOUT_MS / 1000)
+                conn = sqlite3.connect(
+                    uri, uri=True, timeout=_BUSY_TIMEOUT_MS / 1000, check_same_thread=False
+                )
             else:
-                conn = sqlite3.connect(self.path, timeout=_BUSY_TIMEOUT_MS / 1000)
+                conn = sqlite3.connect(
+                    self.path, timeout=_BUSY_TIMEOUT_MS / 1000, check_same_thread=False
+                )
             conn.isolation_level = None  # explicit BEGIN/COMMIT below
             conn.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
             if not self.readonly:
@@ -127,7 +134,8 @@ class Repository:
         return conn
 
     def close(self) -> None:
-        self._conn.close()
+        with self._lock:
+            self._conn.close()
 
     def __enter__(self) -> Repository:
         return self
@@ -144,6 +152,10 @@ class Repository:
         if self.readonly:
             raise OutputError(f"QC repository {self.path} is open read-only")
         conn = self._conn
+        with self._lock:
+            yield from self._transaction(conn)
+
+    def _transaction(self, conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
         try:
             conn.execute("BEGIN IMMEDIATE")
             yield conn
@@ -394,18 +406,20 @@ class Repository:
     def _snapshot(self) -> Iterator[None]:
         """One read transaction: the version row and its bytes come from one state of
         the file even while the writer deletes old versions."""
-        if self._conn.in_transaction:
-            yield
-            return
-        self._conn.execute("BEGIN")
-        try:
-            yield
-        finally:
-            self._conn.execute("COMMIT")
+        with self._lock:
+            if self._conn.in_transaction:
+                yield
+                return
+            self._conn.execute("BEGIN")
+            try:
+                yield
+            finally:
+                self._conn.execute("COMMIT")
 
     def _read(self, sql: str, args: Any) -> list[tuple[Any, ...]]:
         try:
-            return self._conn.execute(sql, args).fetchall()
+            with self._lock:
+                return self._conn.execute(sql, args).fetchall()
         except sqlite3.DatabaseError as exc:
             raise InputError(f"cannot read QC repository {self.path}: {exc}") from None
 

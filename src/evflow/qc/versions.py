@@ -39,7 +39,7 @@ class VersionInfo:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able form (flags as ``{"name", "reason"}`` dicts)."""
-        data = {k: v for k, v in asdict(self).items() if k != "obj"}
+        data = {k: getattr(self, k) for k in VersionInfo.__dataclass_fields__}
         data["flags"] = [f.to_dict() for f in self.flags]
         return data
 

@@ -9,8 +9,8 @@ import hist
 import numpy as np
 import pytest
 import uproot
-from _qc_repo_helpers import gauss_hist, published
 
+from _qc_repo_helpers import gauss_hist, published
 from evflow.errors import ConfigurationError
 from evflow.qc.checks import (
     Check,

@@ -7,15 +7,14 @@ import json
 import sqlite3
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import hist
 import numpy as np
 import pytest
-from _qc_repo_helpers import gauss_hist, published
 
+from _qc_repo_helpers import gauss_hist, published
 from evflow.errors import InputError, NotFoundError, OutputError
 from evflow.qc.quality import Flag, Quality, QualityObject
 from evflow.qc.repository import Repository
@@ -165,25 +164,29 @@ def test_missing_corrupt_and_foreign_files_are_clear_errors(tmp_path: Path) -> N
     conn.close()
     with pytest.raises(InputError, match="SQLite file but not a QC repository"):
         Repository(foreign, readonly=True)
-    with pytest.raises(OutputError, match="directory .* does not exist"):
+    with pytest.raises(OutputError, match=r"directory .* does not exist"):
         Repository(tmp_path / "no" / "dir" / "qc.sqlite")
 
 
 def test_a_reader_cannot_write_and_a_tampered_object_fails_its_hash(tmp_path: Path) -> None:
     with Repository(tmp_path / "qc.sqlite") as writer:
         vid = writer.store(published(PATH, gauss_hist(50)))
-    with Repository(tmp_path / "qc.sqlite", readonly=True) as reader:
-        with pytest.raises(OutputError, match="read-only"):
-            reader.store(published(PATH, gauss_hist(50)))
+    with (
+        Repository(tmp_path / "qc.sqlite", readonly=True) as reader,
+        pytest.raises(OutputError, match="read-only"),
+    ):
+        reader.store(published(PATH, gauss_hist(50)))
     conn = sqlite3.connect(tmp_path / "qc.sqlite")
     conn.execute("UPDATE versions SET hash = 'ab' || substr(hash, 3) WHERE id = ?", (vid,))
     conn.execute("INSERT INTO blobs SELECT 'ab' || substr(hash, 3), data FROM blobs")
     conn.execute("UPDATE blobs SET data = zeroblob(length(data)) WHERE hash LIKE 'ab%'")
     conn.commit()
     conn.close()
-    with Repository(tmp_path / "qc.sqlite", readonly=True) as reader:
-        with pytest.raises(InputError, match=f"version {vid} fails its hash check"):
-            reader.get(vid)
+    with (
+        Repository(tmp_path / "qc.sqlite", readonly=True) as reader,
+        pytest.raises(InputError, match=f"version {vid} fails its hash check"),
+    ):
+        reader.get(vid)
 
 
 def test_histograms_of_every_kind_round_trip(repo: Repository) -> None:

@@ -39,7 +39,7 @@ def published(
         },
         created=time.time() if created is None else created,
         sequence=cycle,
-        event_count=int(np.sum(obj.values(flow=True))) if hasattr(obj, "values") else 0,
+        event_count=int(np.sum(obj.values(flow=True))) if hasattr(obj, "axes") else 0,
         metadata=metadata or {},
     )
 

@@ -83,12 +83,12 @@ class RepositoryWriter:
             log.error("checks on %s failed: %s: %s", published.path, type(exc).__name__, exc)
             result = SuiteResult()
         self._pending.append(_Pending(published, result))
+        if self._gap_started is None or self._clock() >= self._next_retry:
+            self.flush()
         while len(self._pending) > self.max_pending:
             self._pending.popleft()
             self._lost += 1
             self._gap_lost += 1
-        if self._gap_started is None or self._clock() >= self._next_retry:
-            self.flush()
 
     def flush(self) -> bool:
         """Store what is pending now; True when nothing is left pending."""

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from _qc_repo_helpers import gauss_hist, published
-from evflow.errors import StorageFullError
+from evflow.errors import ConfigurationError, StorageFullError
 from evflow.qc.checks import EmptyBinFraction, MeanInRange
 from evflow.qc.checksuite import Aggregator, CheckSuite
 from evflow.qc.publication import PublishedObject
@@ -216,3 +216,23 @@ def test_full_disk_merging_goes_on_storing_resumes_the_gap_is_logged(
             assert stored.quality == Quality.GOOD.label
     finally:
         repo.close()
+
+
+def test_open_builds_the_writer_from_a_toml_file_with_retention(tmp_path: Path) -> None:
+    config = tmp_path / "checks.toml"
+    config.write_text(
+        "min_completeness = 0.9\n"
+        '[checks.mean]\ntype = "mean_in_range"\nobjects = ["qc/hzz/*"]\nmin = 4\nmax = 6\n'
+    )
+    writer = RepositoryWriter.open(
+        tmp_path / "qc.sqlite", checks=config, retention={"keep_last": 2}
+    )
+    for cycle in range(4):
+        writer(published(PATH, gauss_hist(100 + cycle), cycle=cycle, seen=1 if cycle == 3 else 2))
+    writer.close()
+    with Repository(tmp_path / "qc.sqlite", readonly=True) as repo:
+        assert [(v.cycle, v.quality) for v in repo.versions(PATH)] == [(3, "Null"), (2, "Good")]
+        assert repo.latest(PATH).flags[-1].name == "incomplete"  # type: ignore[union-attr]
+    config.write_text("[checks.x]\ntype = 'nope'\n")
+    with pytest.raises(ConfigurationError, match=r"checks\.toml: check 'x' has type 'nope'"):
+        RepositoryWriter.open(tmp_path / "qc.sqlite", checks=config)

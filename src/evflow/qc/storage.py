@@ -13,13 +13,16 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from evflow.errors import CodecError, OutputError
 from evflow.qc.checksuite import CheckSuite, SuiteResult
 from evflow.qc.publication import PublishedObject
 from evflow.qc.repository import Repository
+from evflow.qc.versions import Retention
 
 log = logging.getLogger("evflow.qc.storage")
 
@@ -73,6 +76,38 @@ class RepositoryWriter:
         self._next_retry = 0.0
         self._unstorable_paths: set[str] = set()
         self._received = self._stored = self._lost = self._unstorable = self._gaps = 0
+
+    @classmethod
+    def open(
+        cls,
+        path: str | Path,
+        *,
+        checks: CheckSuite | Mapping[str, Any] | str | Path | None = None,
+        retention: Retention | dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> RepositoryWriter:
+        """Open (or create) the repository at ``path`` with checks from a suite, a dict
+        or a TOML file; ``close()`` closes the repository again."""
+        repo = Repository(path, retention=retention)
+        try:
+            if isinstance(checks, str | Path):
+                suite = CheckSuite.from_toml(checks, repository=repo)
+            elif isinstance(checks, Mapping):
+                suite = CheckSuite.from_config(checks, repository=repo)
+            else:
+                suite = checks
+        except BaseException:
+            repo.close()
+            raise
+        return cls(repo, suite, **kwargs)
+
+    def close(self) -> None:
+        """Try once more to store what is pending, then close the repository."""
+        if self._pending:
+            self.flush()
+        if self._pending:
+            log.warning("QC repository closed with %d objects not stored", len(self._pending))
+        self.repository.close()
 
     def __call__(self, published: PublishedObject) -> None:
         """Check and store one object; never raises (the merger must go on)."""

@@ -164,6 +164,25 @@ def test_missing_corrupt_and_foreign_files_are_clear_errors(tmp_path: Path) -> N
     conn.close()
     with pytest.raises(InputError, match="SQLite file but not a QC repository"):
         Repository(foreign, readonly=True)
+    other = tmp_path / "other.sqlite"
+    conn = sqlite3.connect(other)
+    conn.execute("CREATE TABLE users (name TEXT)")
+    conn.commit()
+    conn.close()
+    for readonly in (True, False):  # a writer must not add its tables to such a file
+        with pytest.raises(InputError, match="SQLite file but not a QC repository"):
+            Repository(other, readonly=readonly)
+    conn = sqlite3.connect(other)
+    assert [r[0] for r in conn.execute("SELECT name FROM sqlite_master")] == ["users"]
+    conn.close()
+    future = tmp_path / "future.sqlite"
+    Repository(future).close()
+    conn = sqlite3.connect(future)
+    conn.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+    conn.commit()
+    conn.close()
+    with pytest.raises(InputError, match="has schema version 99; this evflow reads version 1"):
+        Repository(future, readonly=True)
     with pytest.raises(OutputError, match=r"directory .* does not exist"):
         Repository(tmp_path / "no" / "dir" / "qc.sqlite")
 

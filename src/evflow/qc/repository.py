@@ -23,6 +23,7 @@ from evflow.errors import InputError, NotFoundError, OutputError, StorageFullErr
 from evflow.qc.objects import decode_object, encode_object
 from evflow.qc.publication import PublishedObject
 from evflow.qc.quality import Quality, QualityObject
+from evflow.qc.schema import open_connection
 from evflow.qc.versions import (
     Gap,
     Retention,
@@ -33,34 +34,6 @@ from evflow.qc.versions import (
     flags_from_json,
     flags_json,
 )
-
-SCHEMA_VERSION = 1
-_APP = "evflow-qc-repository"
-_BUSY_TIMEOUT_MS = 10_000
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS blobs (hash TEXT PRIMARY KEY, data BLOB NOT NULL);
-CREATE TABLE IF NOT EXISTS versions (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    path TEXT NOT NULL, run INTEGER, cycle INTEGER,
-    valid_from REAL NOT NULL, valid_until REAL, created REAL NOT NULL,
-    hash TEXT NOT NULL, size INTEGER NOT NULL,
-    quality TEXT, flags TEXT NOT NULL DEFAULT '[]',
-    metadata TEXT NOT NULL DEFAULT '{}', completeness TEXT NOT NULL DEFAULT '{}',
-    task TEXT, name TEXT, sequence INTEGER, event_count INTEGER);
-CREATE INDEX IF NOT EXISTS versions_path_from ON versions (path, valid_from, id);
-CREATE INDEX IF NOT EXISTS versions_path_run ON versions (path, run, valid_from);
-CREATE TABLE IF NOT EXISTS qualities (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    check_name TEXT NOT NULL, quality TEXT NOT NULL, paths TEXT NOT NULL,
-    flags TEXT NOT NULL, metadata TEXT NOT NULL,
-    run INTEGER, cycle INTEGER, created REAL NOT NULL, version_id INTEGER);
-CREATE INDEX IF NOT EXISTS qualities_check ON qualities (check_name, created, id);
-CREATE TABLE IF NOT EXISTS gaps (
-    id INTEGER PRIMARY KEY AUTOINCREMENT, started REAL NOT NULL, ended REAL NOT NULL,
-    stored_late INTEGER NOT NULL, lost INTEGER NOT NULL, reason TEXT NOT NULL);
-"""
 
 _VERSION_COLUMNS = (
     "id, path, run, cycle, valid_from, valid_until, created, hash, size, quality, flags, "
@@ -86,52 +59,7 @@ class Repository:
         self.retention = Retention.from_config(retention)
         # one connection shared by the threads of a web server: calls take turns
         self._lock = threading.RLock()
-        self._conn = self._open()
-
-    # --- opening -------------------------------------------------------------------------
-    def _open(self) -> sqlite3.Connection:
-        if self.readonly and not self.path.is_file():
-            what = "is a directory" if self.path.is_dir() else "does not exist"
-            raise InputError(f"no QC repository at {self.path} (the file {what})")
-        if not self.readonly and not self.path.parent.is_dir():
-            raise OutputError(
-                f"cannot create QC repository {self.path}: directory {self.path.parent} "
-                "does not exist"
-            )
-        try:
-            if self.readonly:
-                uri = f"{self.path.absolute().as_uri()}?mode=ro"
-                conn = sqlite3.connect(
-                    uri, uri=True, timeout=_BUSY_TIMEOUT_MS / 1000, check_same_thread=False
-                )
-            else:
-                conn = sqlite3.connect(
-                    self.path, timeout=_BUSY_TIMEOUT_MS / 1000, check_same_thread=False
-                )
-            conn.isolation_level = None  # explicit BEGIN/COMMIT below
-            conn.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
-            if not self.readonly:
-                conn.execute("PRAGMA journal_mode = WAL")
-                conn.execute("PRAGMA synchronous = NORMAL")
-                conn.executescript(_SCHEMA)
-                conn.execute("INSERT OR IGNORE INTO meta VALUES ('app', ?)", (_APP,))
-                conn.execute(
-                    "INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)",
-                    (str(SCHEMA_VERSION),),
-                )
-            meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
-        except sqlite3.DatabaseError as exc:
-            raise InputError(f"{self.path} is not a QC repository ({exc})") from None
-        if meta.get("app") != _APP:
-            conn.close()
-            raise InputError(f"{self.path} is an SQLite file but not a QC repository")
-        if meta.get("schema_version") != str(SCHEMA_VERSION):
-            conn.close()
-            raise InputError(
-                f"QC repository {self.path} has schema version {meta.get('schema_version')}; "
-                f"this evflow reads version {SCHEMA_VERSION}"
-            )
-        return conn
+        self._conn = open_connection(self.path, readonly=readonly)
 
     def close(self) -> None:
         with self._lock:
@@ -440,57 +368,12 @@ def _quality_columns(quality: QualityObject | Quality | None) -> tuple[str | Non
 
 
 def _version(row: tuple[Any, ...]) -> VersionInfo:
-    (
-        vid,
-        path,
-        run,
-        cycle,
-        vfrom,
-        vuntil,
-        created,
-        digest,
-        size,
-        quality,
-        flags,
-        meta,
-        comp,
-        task,
-        name,
-        seq,
-        count,
-    ) = row
-    return VersionInfo(
-        vid,
-        path,
-        run,
-        cycle,
-        vfrom,
-        vuntil,
-        created,
-        digest,
-        size,
-        quality,
-        flags_from_json(flags),
-        json.loads(meta),
-        json.loads(comp),
-        task,
-        name,
-        seq,
-        count,
-    )
+    head, (flags, meta, comp), tail = row[:10], row[10:13], row[13:]
+    parsed = (flags_from_json(flags), json.loads(meta), json.loads(comp))
+    return VersionInfo(*head, *parsed, *tail)
 
 
 def _quality(row: tuple[Any, ...]) -> StoredQuality:
-    qid, check, quality, paths, flags, meta, run, cycle, created, version_id = row
-    return StoredQuality(
-        qid,
-        check,
-        quality,
-        tuple(json.loads(paths)),
-        flags_from_json(flags),
-        json.loads(meta),
-        run,
-        cycle,
-        created,
-        version_id,
-    )
+    qid, check, quality, paths, flags, meta, *rest = row
+    parsed = (tuple(json.loads(paths)), flags_from_json(flags), json.loads(meta))
+    return StoredQuality(qid, check, quality, *parsed, *rest)

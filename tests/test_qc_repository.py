@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from _qc_repo_helpers import gauss_hist, published
-from evflow.errors import InputError, NotFoundError, OutputError
+from evflow.errors import ClosedError, InputError, NotFoundError, OutputError
 from evflow.qc.quality import Flag, Quality, QualityObject
 from evflow.qc.repository import Repository
 
@@ -206,6 +206,17 @@ def test_a_reader_cannot_write_and_a_tampered_object_fails_its_hash(tmp_path: Pa
         pytest.raises(InputError, match=f"version {vid} fails its hash check"),
     ):
         reader.get(vid)
+
+
+def test_a_closed_repository_says_so(tmp_path: Path) -> None:
+    repo = Repository(tmp_path / "qc.sqlite")
+    repo.store(published(PATH, gauss_hist(5)))
+    repo.close()
+    with pytest.raises(ClosedError, match=r"QC repository .*qc.sqlite is closed"):
+        repo.latest(PATH)
+    with pytest.raises(ClosedError):
+        repo.store(published(PATH, gauss_hist(5)))
+    repo.close()  # twice is fine
 
 
 def test_histograms_of_every_kind_round_trip(repo: Repository) -> None:

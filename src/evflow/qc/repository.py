@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from evflow.errors import InputError, NotFoundError, OutputError, StorageFullError
+from evflow.errors import ClosedError, InputError, NotFoundError, OutputError, StorageFullError
 from evflow.qc.objects import decode_object, encode_object
 from evflow.qc.publication import PublishedObject
 from evflow.qc.quality import Quality, QualityObject
@@ -60,10 +60,16 @@ class Repository:
         # one connection shared by the threads of a web server: calls take turns
         self._lock = threading.RLock()
         self._conn = open_connection(self.path, readonly=readonly)
+        self._closed = False
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             self._conn.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"QC repository {self.path} is closed")
 
     def __enter__(self) -> Repository:
         return self
@@ -81,6 +87,7 @@ class Repository:
             raise OutputError(f"QC repository {self.path} is open read-only")
         conn = self._conn
         with self._lock:
+            self._check_open()
             yield from self._transaction(conn)
 
     def _transaction(self, conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
@@ -335,6 +342,7 @@ class Repository:
         """One read transaction: the version row and its bytes come from one state of
         the file even while the writer deletes old versions."""
         with self._lock:
+            self._check_open()
             if self._conn.in_transaction:
                 yield
                 return
@@ -347,6 +355,7 @@ class Repository:
     def _read(self, sql: str, args: Any) -> list[tuple[Any, ...]]:
         try:
             with self._lock:
+                self._check_open()
                 return self._conn.execute(sql, args).fetchall()
         except sqlite3.DatabaseError as exc:
             raise InputError(f"cannot read QC repository {self.path}: {exc}") from None

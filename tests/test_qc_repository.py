@@ -3,6 +3,7 @@ bad files, and readers in other processes while a writer process writes."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import sqlite3
 import subprocess
@@ -13,6 +14,8 @@ from pathlib import Path
 import hist
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from _qc_repo_helpers import gauss_hist, published
 from evflow.errors import ClosedError, InputError, NotFoundError, OutputError
@@ -332,3 +335,30 @@ def test_readers_in_other_processes_read_while_a_writer_process_writes(tmp_path:
         assert [v.cycle for v in repo.versions("qc/hzz/pt")] == list(
             range(cycles - 1, cycles - 21, -1)
         )
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(st.lists(st.integers(min_value=0, max_value=20), min_size=1, max_size=12))
+def test_validity_intervals_chain_whatever_the_arrival_order(
+    tmp_path_factory: pytest.TempPathFactory, offsets: list[int]
+) -> None:
+    db = tmp_path_factory.mktemp("hyp") / "qc.sqlite"
+    with Repository(db) as repo:
+        ids = [
+            repo.store(published(PATH, c, cycle=i, created=T0 + c)) for i, c in enumerate(offsets)
+        ]
+        versions = repo.versions(PATH)
+        assert sorted(v.id for v in versions) == sorted(ids)
+        chain = sorted(versions, key=lambda v: (v.valid_from, v.id))
+        for before, after in itertools.pairwise(chain):
+            assert before.valid_until == after.valid_from  # no gap, no overlap
+        assert chain[-1].valid_until is None
+        for probe in range(-1, 22):
+            at = T0 + probe + 0.5
+            # brute force: of the versions created at or before `at`, the newest (ties: last stored)
+            candidates = [v for v in chain if v.valid_from <= at]
+            expected = candidates[-1].id if candidates else None
+            got = repo.latest(PATH, at=at)
+            assert (got.id if got else None) == expected

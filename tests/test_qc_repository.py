@@ -362,3 +362,53 @@ def test_validity_intervals_chain_whatever_the_arrival_order(
             expected = candidates[-1].id if candidates else None
             got = repo.latest(PATH, at=at)
             assert (got.id if got else None) == expected
+
+
+_KILLED_WRITER = """
+import sys, hist, numpy as np
+sys.path.insert(0, {tests!r})
+from _qc_repo_helpers import published
+from evflow.qc.repository import Repository
+repo = Repository({db!r}, retention={{"keep_last": 5}})
+rng = np.random.default_rng(0)
+cycle = 0
+while True:
+    h = hist.Hist.new.Reg(2000, 0, 1).Double()
+    h.fill(rng.uniform(0, 1, 100))
+    repo.store(published("qc/hzz/pt", h, cycle=cycle))
+    cycle += 1
+    if cycle == 20:
+        print("writing", flush=True)
+"""
+
+
+def test_a_writer_killed_mid_write_leaves_a_consistent_repository(tmp_path: Path) -> None:
+    db = tmp_path / "qc.sqlite"
+    tests_dir = str(Path(__file__).parent)
+    for round_ in range(3):
+        writer = subprocess.Popen(
+            [sys.executable, "-c", _KILLED_WRITER.format(db=str(db), tests=tests_dir)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert writer.stdout is not None and writer.stdout.readline() == "writing\n"
+            time.sleep(0.05 * round_)
+        finally:
+            writer.kill()  # SIGKILL, somewhere inside a transaction or between two
+            writer.wait()
+            if writer.stdout is not None:
+                writer.stdout.close()
+        with Repository(db, readonly=True) as reader:
+            versions = reader.versions(PATH)
+            assert 1 <= len(versions) <= 5 and versions[0].valid_until is None
+            for newer, older in itertools.pairwise(versions):
+                assert older.valid_until == newer.valid_from
+            for v in versions:
+                assert reader.get(v.id).obj.sum() == 100  # bytes present, hash checked
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    conn.close()
+    with Repository(db) as repo:  # a new writer carries on
+        vid = repo.store(published(PATH, gauss_hist(7)))
+        assert repo.latest(PATH).id == vid  # type: ignore[union-attr]

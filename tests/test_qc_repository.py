@@ -246,8 +246,14 @@ import sys, time, hist
 sys.path.insert(0, {tests!r})
 from _qc_repo_helpers import published
 from evflow.qc.repository import Repository
+from pathlib import Path
 repo = Repository({db!r}, retention={{"keep_last": 20}})
 print("ready", flush=True)
+# wait (bounded) until every reader has read once, so that reading overlaps writing
+deadline = time.monotonic() + 60
+while len(list(Path({db!r}).parent.glob("reader-*.started"))) < {readers}:
+    assert time.monotonic() < deadline, "the readers never started"
+    time.sleep(0.01)
 for cycle in range({cycles}):
     for name in ("pt", "eta"):
         h = hist.Hist.new.Reg(500, 0, 1).Double()
@@ -264,9 +270,8 @@ deadline = time.monotonic() + 60
 while True:
     try:
         repo = Repository({db!r}, readonly=True)
-        if repo.paths():
-            break
-        repo.close()
+        open({marker!r}, "w").close()  # the writer waits for every reader's marker
+        break
     except Exception:
         pass
     assert time.monotonic() < deadline, "no repository appeared"
@@ -300,18 +305,22 @@ def test_readers_in_other_processes_read_while_a_writer_process_writes(tmp_path:
     cycles = 300
     tests_dir = str(Path(__file__).parent)
     writer = subprocess.Popen(
-        [sys.executable, "-c", _WRITER.format(db=db, cycles=cycles, tests=tests_dir)],
+        [
+            sys.executable,
+            "-c",
+            _WRITER.format(db=db, cycles=cycles, tests=tests_dir, readers=3),
+        ],
         stdout=subprocess.PIPE,
         text=True,
     )
     readers = [
         subprocess.Popen(
-            [sys.executable, "-c", _READER.format(db=db, cycles=cycles)],
+            [sys.executable, "-c", _READER.format(db=db, cycles=cycles, marker=marker)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for _ in range(3)
+        for marker in [str(tmp_path / f"reader-{i}.started") for i in range(3)]
     ]
     try:
         w_out, _ = writer.communicate(timeout=90)

@@ -77,6 +77,12 @@ def test_plain_functions_return_json_able_dicts(db: Path) -> None:
         assert arr["values"] == [1.0, None, None]  # nan and inf are not JSON
         json.dumps(arr, allow_nan=False)
         assert api.latest(repo, "qc/other/n")["object"] == {"type": "number", "value": 7}
+        categories = hist.Hist.new.StrCat(["e", "mu"], name="flavour").Reg(2, 0, 1).Double()
+        categories.fill(["mu", "mu", "e"], [0.2, 0.7, 0.7])
+        as_json = api.object_to_json(categories)
+        assert as_json["axes"][0]["categories"] == ["e", "mu"]
+        assert as_json["axes"][1]["edges"] == [0.0, 0.5, 1.0]
+        assert as_json["values"] == [[0.0, 1.0], [1.0, 1.0]]
         listing = api.paths(repo)["objects"]
         assert [(o["path"], o["quality"]) for o in listing][-1] == ("qc/other/n", None)
         with pytest.raises(NotFoundError, match=r"no QC object qc/hzz/pt \(run=9\)"):

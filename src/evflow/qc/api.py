@@ -36,7 +36,7 @@ def object_to_json(obj: Any) -> dict[str, Any]:
                 "type": type(axis).__name__,
                 "size": len(axis),
             }
-            if getattr(axis.traits, "discrete", False) and not hasattr(axis, "edges"):
+            if "Category" in type(axis).__name__:  # labels matter, edges are 0..n
                 entry["categories"] = [_clean(v) for v in axis]
             else:
                 entry["edges"] = _clean(np.asarray(axis.edges))

@@ -99,6 +99,11 @@ def test_range_in_bounds_counts_entries_outside_including_overflow() -> None:
     tolerant = RangeInBounds("range", min=1, max=5, max_outside_fraction=0.25)
     assert _verdict(tolerant, h).quality is Quality.GOOD
     assert _verdict(check, np.array([1.0, 9.0])).quality is Quality.BAD
+    for under, over in [(False, True), (True, False), (False, False)]:
+        axis = hist.axis.Regular(10, 0, 10, underflow=under, overflow=over)
+        h2d = hist.Hist(axis, hist.axis.Regular(2, 0, 1)).fill([0.5, 4.5, 7.5], [0.5, 0.5, 0.5])
+        partial = _verdict(RangeInBounds("range", min=0, max=5), h2d)
+        assert partial.metadata["outside_fraction"] == pytest.approx(1 / 3), (under, over)
 
 
 def test_entries_increasing_between_cycles() -> None:

@@ -146,12 +146,14 @@ class RangeInBounds(Check):
             values = contents(obj, flow=True)
             other = tuple(i for i in range(values.ndim) if i != self.axis)
             projected = values.sum(axis=other) if other else values
-            edges = obj.axes[self.axis].edges
-            # flow bins as (-inf, first edge) and (last edge, inf) when the axis has them
-            lows = np.concatenate(([-math.inf], edges[:-1], [edges[-1]]))
-            highs = np.concatenate(([edges[0]], edges[1:], [math.inf]))
-            if projected.size == len(edges) - 1:  # an axis without flow bins
-                lows, highs = lows[1:-1], highs[1:-1]
+            axis = obj.axes[self.axis]
+            edges = axis.edges
+            lows, highs = edges[:-1], edges[1:]
+            # flow bins as (-inf, first edge) and (last edge, inf) where the axis has them
+            if axis.traits.underflow:
+                lows, highs = np.r_[-math.inf, lows], np.r_[edges[0], highs]
+            if axis.traits.overflow:
+                lows, highs = np.r_[lows, edges[-1]], np.r_[highs, math.inf]
             outside = (lows < self.low) | (highs > self.high)
             total = float(projected.sum())
             out = float(projected[outside].sum())

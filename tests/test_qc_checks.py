@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -176,7 +177,9 @@ class Exploding(Check):
         raise ZeroDivisionError("boom in the check")
 
 
-def test_a_raising_check_gives_null_with_the_exception_and_the_chain_goes_on() -> None:
+def test_a_raising_check_gives_null_with_the_exception_and_the_chain_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     suite = CheckSuite(
         [Exploding("broken"), MeanInRange("mean", min=4, max=6)],
         [Aggregator("all", ("broken", "mean"))],
@@ -190,6 +193,14 @@ def test_a_raising_check_gives_null_with_the_exception_and_the_chain_goes_on() -
     assert by_name["mean"].quality is Quality.GOOD  # ran after the broken one
     assert result.quality is not None and result.quality.quality is Quality.NULL
     assert result.aggregates[0].quality is Quality.NULL
+    with caplog.at_level(logging.WARNING, logger="evflow.qc.checks"):
+        for _ in range(3):
+            again = suite.run(published(PATH, gauss_hist(1000)))
+            assert again.checks[0].flags[0].name == "check_raised"
+    # the flag says it every cycle, the log only once
+    assert [r.getMessage() for r in caplog.records] == [
+        f"check 'broken' on {PATH} raised ZeroDivisionError: boom in the check"
+    ]
     # a check that returns garbage is a raising check too
     garbage = CheckSuite([FunctionCheck("g", function=lambda o: "fine")])
     out = garbage.run(published(PATH, gauss_hist(10))).checks[0]
@@ -204,7 +215,7 @@ def test_completeness_below_the_threshold_forces_null_and_names_the_missing() ->
     assert partial.quality is not None and partial.quality.quality is Quality.NULL
     assert partial.checks[0].quality is Quality.NULL
     assert partial.checks[0].metadata["quality_before_completeness"] == "Good"
-    flag = partial.quality.flags[-1]
+    [flag] = partial.quality.flags
     assert flag.name == "incomplete" and "50%" in flag.reason and "src2, src3" in flag.reason
     # no check applies: still Null when incomplete, None (unchecked) when complete
     unchecked = CheckSuite(min_completeness=0.75)

@@ -100,6 +100,7 @@ class CheckSuite:
                     f"aggregator {agg.name!r} names unknown checks {unknown} (known: {names})"
                 )
         self._latest: dict[tuple[str, str], QualityObject] = {}
+        self._warned: set[tuple[str, str, str]] = set()
 
     def run(self, published: PublishedObject) -> SuiteResult:
         result = SuiteResult()
@@ -109,10 +110,8 @@ class CheckSuite:
         incomplete = self._incompleteness(published)
         if incomplete is not None:
             result.checks = [_force_null(r, incomplete) for r in result.checks]
-        if result.checks:
+        if result.checks:  # already Null with the flag when incomplete
             result.quality = replace(aggregate(OBJECT_QUALITY, result.checks), metadata={})
-            if incomplete is not None:
-                result.quality = _force_null(result.quality, incomplete)
         elif incomplete is not None:
             result.quality = QualityObject(
                 Quality.NULL, OBJECT_QUALITY, (published.path,), (incomplete,)
@@ -132,7 +131,10 @@ class CheckSuite:
             return check(published)
         except Exception as exc:  # a broken check must never stop the chain
             reason = f"{type(exc).__name__}: {exc}"
-            log.warning("check %r on %s raised %s", check.name, published.path, reason)
+            key = (check.name, published.path, type(exc).__name__)
+            if key not in self._warned:  # the flag says it every time; the log once
+                self._warned.add(key)
+                log.warning("check %r on %s raised %s", check.name, published.path, reason)
             return QualityObject(
                 Quality.NULL, check.name, (published.path,), (Flag("check_raised", reason),)
             )

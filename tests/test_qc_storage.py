@@ -127,6 +127,21 @@ def test_a_gap_keeps_the_newest_pending_retries_on_its_interval_and_is_recorded(
         assert sum("QC storing resumed" in m for m in messages) == 1
 
 
+def test_pending_is_bounded_in_memory_too(tmp_path: Path) -> None:
+    with Repository(tmp_path / "qc.sqlite") as real:
+        repo = _FlakyRepository(real)
+        repo.full = True
+        writer = RepositoryWriter(repo, max_pending=1000, max_pending_bytes=100_000)  # type: ignore[arg-type]
+        for cycle in range(10):
+            big = hist.Hist.new.Reg(5000, 0, 1).Double()  # 40 kB of storage
+            writer(published(PATH, big, cycle=cycle))
+        stats = writer.statistics()
+        assert (stats.pending, stats.lost) == (2, 8)
+        huge = hist.Hist.new.Reg(50_000, 0, 1).Double()  # alone above the bound: still kept
+        writer(published(PATH, huge, cycle=10))
+        assert writer.statistics().pending == 1
+
+
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 1 MiB tmpfs mounted for this test only."""

@@ -44,6 +44,7 @@ class WriterStatistics:
 class _Pending:
     published: PublishedObject
     result: SuiteResult
+    nbytes: int
     version_id: int | None = None
     qualities_done: int = 0
     received: float = field(default_factory=time.time)
@@ -58,6 +59,7 @@ class RepositoryWriter:
         checks: CheckSuite | None = None,
         *,
         max_pending: int = 1000,
+        max_pending_bytes: int = 256 * 2**20,
         retry_interval_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -66,6 +68,8 @@ class RepositoryWriter:
         self.repository = repository
         self.checks = checks or CheckSuite()
         self.max_pending = max_pending
+        self.max_pending_bytes = max_pending_bytes
+        self._pending_bytes = 0
         self.retry_interval_s = retry_interval_s
         self._clock = clock
         self._pending: deque[_Pending] = deque()
@@ -117,11 +121,16 @@ class RepositoryWriter:
         except Exception as exc:  # the suite guards each check; this is a last resort
             log.error("checks on %s failed: %s: %s", published.path, type(exc).__name__, exc)
             result = SuiteResult()
-        self._pending.append(_Pending(published, result))
+        item = _Pending(published, result, _approx_nbytes(published.obj))
+        self._pending.append(item)
+        self._pending_bytes += item.nbytes
         if self._gap_started is None or self._clock() >= self._next_retry:
             self.flush()
-        while len(self._pending) > self.max_pending:
-            self._pending.popleft()
+        # bounded in count and memory; the newest is always kept
+        while len(self._pending) > 1 and (
+            len(self._pending) > self.max_pending or self._pending_bytes > self.max_pending_bytes
+        ):
+            self._pop()
             self._lost += 1
             self._gap_lost += 1
 
@@ -132,7 +141,7 @@ class RepositoryWriter:
             try:
                 self._store(item)
             except CodecError as exc:
-                self._pending.popleft()
+                self._pop()
                 self._unstorable += 1
                 if item.published.path not in self._unstorable_paths:
                     self._unstorable_paths.add(item.published.path)
@@ -141,13 +150,16 @@ class RepositoryWriter:
             except OutputError as exc:
                 self._open_gap(exc)
                 return False
-            self._pending.popleft()
+            self._pop()
             self._stored += 1
             if self._gap_started is not None:
                 self._gap_stored += 1
         if self._gap_started is not None:
             self._close_gap()
         return True
+
+    def _pop(self) -> None:
+        self._pending_bytes -= self._pending.popleft().nbytes
 
     def statistics(self) -> WriterStatistics:
         return WriterStatistics(
@@ -186,9 +198,10 @@ class RepositoryWriter:
         self._gap_lost = self._gap_stored = 0
         self._gaps += 1
         log.warning(
-            "QC storing paused: %s; keeping up to %d objects pending, retrying every %g s",
+            "QC storing paused: %s; keeping up to %d objects (%d MiB) pending, retrying every %g s",
             exc,
             self.max_pending,
+            self.max_pending_bytes // 2**20,
             self.retry_interval_s,
         )
 
@@ -208,3 +221,14 @@ class RepositoryWriter:
         except OutputError as exc:
             log.warning("could not record the storing gap in the repository: %s", exc)
         self._gap_started = None
+
+
+def _approx_nbytes(obj: object) -> int:
+    """Memory an object holds while it waits: its arrays (a histogram's storage)."""
+    view = getattr(obj, "view", None)
+    if callable(view) and hasattr(obj, "axes"):
+        try:
+            return int(view(flow=True).nbytes)
+        except (TypeError, ValueError):
+            pass
+    return int(getattr(obj, "nbytes", 64))

@@ -38,7 +38,19 @@ def make(bins: int, seed: int) -> hist.Hist:
 
 
 def pub(path: str, obj: hist.Hist, cycle: int) -> PublishedObject:
-    return PublishedObject(path, "bench", path.rsplit("/", 1)[-1], 1, cycle, obj, {}, time.time())
+    return PublishedObject(
+        path=path,
+        task="bench",
+        name=path.rsplit("/", 1)[-1],
+        run=1,
+        cycle=cycle,
+        obj=obj,
+        completeness={},
+        created=time.time(),
+        sequence=cycle,
+        event_count=0,
+        metadata={},
+    )
 
 
 def store_rate(db: Path, bins: int, seconds: float) -> float:

@@ -66,6 +66,15 @@ def test_an_object_that_cannot_be_encoded_is_logged_once_and_skipped(
         assert repo.paths() == [PATH]
 
 
+def test_a_closed_repository_is_a_gap_not_an_exception_in_the_merger(tmp_path: Path) -> None:
+    repo = Repository(tmp_path / "qc.sqlite")
+    writer = RepositoryWriter(repo, retry_interval_s=0.0)
+    repo.close()
+    writer(published(PATH, gauss_hist(3)))
+    stats = writer.statistics()
+    assert (stats.storing, stats.pending, stats.stored) == (False, 1, 0)
+
+
 class _FlakyRepository:
     """A repository whose writes fail while ``full`` is set (a disk full, simulated)."""
 

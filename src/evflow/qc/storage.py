@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from evflow.errors import CodecError, OutputError
+from evflow.errors import ClosedError, CodecError, EvflowError, OutputError
 from evflow.qc.checksuite import CheckSuite, SuiteResult
 from evflow.qc.publication import PublishedObject
 from evflow.qc.repository import Repository
@@ -140,16 +140,17 @@ class RepositoryWriter:
             item = self._pending[0]
             try:
                 self._store(item)
-            except CodecError as exc:
+            except (OutputError, ClosedError) as exc:  # the disk, not the object
+                self._open_gap(exc)
+                return False
+            except Exception as exc:  # CodecError, or a bug: this object, not the next
                 self._pop()
                 self._unstorable += 1
                 if item.published.path not in self._unstorable_paths:
                     self._unstorable_paths.add(item.published.path)
-                    log.error("QC object %s cannot be stored: %s", item.published.path, exc)
+                    reason = str(exc) if isinstance(exc, CodecError) else repr(exc)
+                    log.error("QC object %s cannot be stored: %s", item.published.path, reason)
                 continue
-            except OutputError as exc:
-                self._open_gap(exc)
-                return False
             self._pop()
             self._stored += 1
             if self._gap_started is not None:
@@ -189,7 +190,7 @@ class RepositoryWriter:
             )
             item.qualities_done += 1
 
-    def _open_gap(self, exc: OutputError) -> None:
+    def _open_gap(self, exc: EvflowError) -> None:
         self._next_retry = self._clock() + self.retry_interval_s
         if self._gap_started is not None:
             return

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import hist
+import httpx
 import numpy as np
 import pytest
 import uproot
@@ -201,3 +205,58 @@ def test_the_evflow_command_runs_qc_ls(db: Path) -> None:
         "qc/tracks/h4",
         "qc/tracks/ids",
     ]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_serve_answers_the_http_api_and_stops_on_sigterm(db: Path) -> None:
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "evflow", "qc", "serve", "--repo", str(db), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        assert server.stdout.readline().startswith(f"serving {db} on http://127.0.0.1:{port}/qc/")
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                response = httpx.get(f"http://127.0.0.1:{port}/qc/latest/qc/hzz/pt", timeout=5)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "the server never answered"
+                time.sleep(0.1)
+        assert response.status_code == 200
+        assert response.json()["version"]["run"] == 2
+        missing = httpx.get(f"http://127.0.0.1:{port}/qc/latest/qc/none", timeout=5)
+        assert missing.status_code == 404
+        server.send_signal(signal.SIGTERM)
+        _, err = server.communicate(timeout=30)
+        # uvicorn shuts down cleanly, then re-raises the signal: the usual status for it
+        assert server.returncode == -signal.SIGTERM, err
+        assert "Traceback" not in err
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.communicate()
+
+
+def test_serve_without_a_repository_is_one_line(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "evflow", "qc", "serve", "--repo", str(tmp_path / "x.sqlite")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1 and done.stdout == ""
+    missing = tmp_path / "x.sqlite"
+    assert (
+        done.stderr == f"evflow: error: no QC repository at {missing} (the file does not exist)\n"
+    )

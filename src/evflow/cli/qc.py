@@ -1,9 +1,10 @@
-"""``evflow qc ls|get|export|check --repo PATH``: read the QC repository.
+"""``evflow qc ls|get|export|check|serve --repo PATH``: read the QC repository.
 
 ``ls`` prints one line per object (path, run, cycle, quality); ``get`` a summary of one
 object (``--out`` writes it: .root through uproot, .json as the HTTP API's JSON,
 anything else as the encoded object); ``export DIR`` writes the latest objects as ROOT
-files; ``check CONFIG.toml`` runs checks on the latest objects and prints the verdicts.
+files; ``check CONFIG.toml`` runs checks on the latest objects and prints the verdicts;
+``serve`` serves the HTTP API (``evflow.qc.http``) read-only with uvicorn.
 """
 
 from __future__ import annotations
@@ -60,6 +61,12 @@ def register(subparsers: Any) -> None:
     export.add_argument("dir", metavar="DIR", help="output directory (one file per task)")
     export.add_argument("--prefix", default="", help="only paths starting with this")
     export.set_defaults(func=cmd_export)
+
+    serve = sub.add_parser("serve", help="serve the HTTP API read-only (/qc/latest/...)")
+    with_repo(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    serve.set_defaults(func=cmd_serve)
 
     check = sub.add_parser("check", help="run checks (TOML) on the latest objects")
     with_repo(check)
@@ -136,6 +143,21 @@ def cmd_export(args: argparse.Namespace) -> int:
     for path, reason in report.skipped:
         print(f"{path} skipped: {reason}")
     print(f"{len(report.written)} objects written, {len(report.skipped)} skipped")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+    from starlette.applications import Starlette
+
+    from evflow.qc.http import qc_mount
+
+    with _open(args.repo):  # fail now, with one line, if there is no repository
+        pass
+    app = Starlette(routes=[qc_mount(Path(args.repo))])
+    print(f"serving {args.repo} on http://{args.host}:{args.port}/qc/", flush=True)
+    # uvicorn handles SIGINT/SIGTERM: it finishes open requests and returns
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
 

@@ -308,3 +308,29 @@ def test_function_check_from_config_imports_module_attribute() -> None:
     # math.isfinite returns a bool, not a Quality: the suite flags it as Null, not a crash
     out = suite.run(published(PATH, 1.0)).checks[0]
     assert out.quality is Quality.NULL and math.isfinite(1.0)
+
+
+def test_references_from_a_repository_file_or_the_given_repository(tmp_path: Path) -> None:
+    from evflow.qc.repository import Repository
+
+    with Repository(tmp_path / "ref.sqlite") as ref_repo:
+        ref_repo.store(published(PATH, gauss_hist(50_000, seed=8), run=7))
+        ref_repo.store(published(PATH, gauss_hist(50_000, loc=8, seed=9), run=8))
+    config = {"checks": {"c": {"type": "chi2_reference", "objects": [PATH]}}}
+    config["checks"]["c"]["reference"] = {"repository": "ref.sqlite", "path": PATH, "run": 7}
+    suite = CheckSuite.from_config(config, base_dir=tmp_path)
+    assert suite.run(published(PATH, gauss_hist(5_000, seed=10))).checks[0].quality is Quality.GOOD
+    with Repository(tmp_path / "ref.sqlite", readonly=True) as repo:
+        config["checks"]["c"]["reference"] = PATH  # the newest: run 8, shifted
+        shifted = CheckSuite.from_config(config, repository=repo)
+        verdict = shifted.run(published(PATH, gauss_hist(5_000, seed=10))).checks[0]
+        assert verdict.quality is Quality.BAD
+        config["checks"]["c"]["reference"] = {"path": PATH, "run": 99}
+        with pytest.raises(ConfigurationError, match=r"no reference .*'run': 99"):
+            CheckSuite.from_config(config, repository=repo)
+    config["checks"]["c"]["reference"] = PATH
+    with pytest.raises(ConfigurationError, match="needs a repository"):
+        CheckSuite.from_config(config)
+    config["checks"]["c"]["reference"] = "missing.root:pt"
+    with pytest.raises(ConfigurationError, match=r"cannot read reference 'pt' from .*missing.root"):
+        CheckSuite.from_config(config, base_dir=tmp_path)

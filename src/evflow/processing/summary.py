@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from evflow.monitor.console import is_terminal
+from evflow.processing.failures import FailureGroup, report_failures
 from evflow.processing.statistics import ModuleStatistics, merge_statistics, processes_of
 
 
@@ -37,6 +38,24 @@ class RunSummary:
     interrupted: bool = False
     quarantined: tuple[tuple[int, str], ...] = ()
     """(uid, reasons) of every quarantined event (parallel runs; reliability)."""
+    failures: tuple[FailureGroup, ...] = ()
+    """Module exceptions of a parallel run, one group per module and exception type
+    (retried or quarantined); ``report_failures()`` shows them."""
+    quarantine_files: tuple[str, ...] = ()
+    """Record files the quarantined events went to beside a columnar (ROOT) output."""
+    allow_quarantine: bool = False
+    """The run was told quarantined events are acceptable (``--allow-quarantine``)."""
+
+    @property
+    def events_failed(self) -> bool:
+        """Events were quarantined and the run was not told to accept it: ``evflow run``
+        exits with ``EXIT_EVENTS_FAILED``."""
+        return bool(self.events_quarantined) and not self.allow_quarantine
+
+    def report_failures(self, file: IO[str] | None = None) -> None:
+        """One line per failing module (after its first traceback) on ``file`` (stderr)."""
+        if self.failures or self.quarantined:
+            report_failures(self.failures, self.quarantined, file or sys.stderr)
 
     @property
     def rate_hz(self) -> float:
@@ -87,6 +106,8 @@ class RunSummary:
             text += f"\n  quarantined uid {uid}: {reason}"
         if len(self.quarantined) > 20:
             text += f"\n  ... and {len(self.quarantined) - 20} more quarantined"
+        for file in self.quarantine_files:
+            text += f"\n  quarantined events written to {file}"
         return text
 
     def _table(self) -> Any:

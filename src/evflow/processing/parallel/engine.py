@@ -32,6 +32,7 @@ from evflow import errors
 from evflow.errors import ConfigurationError, EvflowError, ModuleError, PeerLostError
 from evflow.monitor.console import is_terminal
 from evflow.processing.chain import output_files
+from evflow.processing.failures import groups_from
 from evflow.processing.options import ProcessOptions
 from evflow.processing.parallel import checkpoint, scoreboard, state
 from evflow.processing.parallel.common import channel
@@ -54,6 +55,12 @@ from evflow.wire.messages import BadMessageCounter, MsgType, encode_message
 WORKER_EXIT_GRACE_S = 5.0
 #: after an error or a second interrupt, roles get this long to close files (s)
 ABORT_GRACE_S = 5.0
+#: after the first interrupt, events in flight get this long to finish before the run
+#: stops as after a second one (a hung event must not hold the shutdown; option
+#: ``extra={"stop_grace_s": s}``)
+STOP_GRACE_S = 30.0
+#: more workers than this many per core get a warning (start-up, memory, contention)
+WORKERS_PER_CORE_WARN = 4
 
 
 def describe_exit(code: int) -> str:
@@ -82,7 +89,7 @@ class Parent:
             "ordered": options.ordered,
             "reorder_window": int(extra.get("reorder_window", 8192)),
             "max_attempts": options.max_attempts,
-            "event_timeout_s": options.event_timeout_s,
+            "event_timeout_s": options.effective_event_timeout_s(),
             # reliability: a module exception fails its event ("retry") or the run ("stop")
             "on_event_error": str(extra.get("on_event_error", "retry")),
             "max_quarantined": int(extra.get("max_quarantined", 1000)),
@@ -116,6 +123,8 @@ class Parent:
         self.error: EvflowError | None = None
         self.signals: list[int] = []
         self.stop_sent = False
+        self.stop_grace_s = float(extra.get("stop_grace_s", STOP_GRACE_S))
+        self.stop_deadline = 0.0  # monotonic time the first interrupt's grace ends
         self.hard = False
         self.aborting_at = 0.0
         self.restarts = 0
@@ -129,6 +138,7 @@ class Parent:
 
     # --- life cycle ---------------------------------------------------------------------
     def run(self) -> RunSummary:
+        warn_many_workers(self.n_workers)
         state.set_current(self.split)
         # exact blame: one slot per worker index, shared with every fork of the zygote
         self.board = scoreboard.Scoreboard(self.n_workers)
@@ -217,6 +227,9 @@ class Parent:
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
         old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        # never over an ignored signal: a run started in the background (nohup, `&` in a
+        # non-interactive shell) must not stop on the terminal's Ctrl-C
+        old = {s: h for s, h in old.items() if h is not signal.SIG_IGN}
         for s in old:
             signal.signal(s, self._on_signal)
 
@@ -432,7 +445,12 @@ class Parent:
             if name.startswith("worker"):
                 with contextlib.suppress(EvflowError):
                     self.zygote.kill(pid, signal.SIGKILL)
-        options = {**self.role_options, "start_position": start, "start_seq": seq}
+        options = {
+            **self.role_options,
+            "start_position": start,
+            "start_seq": seq,
+            "input_restart": True,  # checkpoint soon: repeated kills must not redo work
+        }
         self.pids[self.zygote.spawn(input_main, self.session, options, name="input")] = "input"
         self._send("output", MsgType.HELLO)  # the output introduces itself to the new input
         return True
@@ -460,9 +478,35 @@ class Parent:
         if not self.stop_sent:
             self.stop_sent = True
             self._send("input", MsgType.STOP)
-        if len(self.signals) >= 2 and not self.hard:
+        now = time.monotonic()
+        if not self.stop_deadline:
+            self.stop_deadline = now + self.stop_grace_s
+            self._say_stopping()
+        if self.hard:
+            return
+        if len(self.signals) >= 2:
             self.hard = True
+            _say("evflow: stopping now: workers killed, files closed")
             self._abort()
+        elif now > self.stop_deadline and not self.error:
+            self.hard = True
+            _say(
+                f"evflow: the events in flight did not finish within {self.stop_grace_s:g} s; "
+                "stopping now: workers killed, files closed"
+            )
+            self._abort()
+
+    def _say_stopping(self) -> None:
+        """The first interrupt: say what the shutdown waits for, and for how long."""
+        busy = sum(1 for i in range(self.n_workers) if self.board.read(i).state == scoreboard.BUSY)
+        what = (
+            "Ctrl-C" if self.signals[0] == signal.SIGINT else signal.Signals(self.signals[0]).name
+        )
+        _say(
+            f"evflow: stopping ({what}): no new events are read; waiting up to "
+            f"{self.stop_grace_s:g} s for the events in flight on {busy} busy worker"
+            f"{'s' if busy != 1 else ''} to be written (Ctrl-C again: stop now)"
+        )
 
     # --- the summary ----------------------------------------------------------------------
     def _summary(self, wall_s: float) -> RunSummary:
@@ -544,11 +588,35 @@ class Parent:
             modules=tuple(rows),
             persistent=persistent,
             counters=counters,
-            outputs=tuple(output_files(self.split.output)),
+            outputs=tuple(output_files(self.split.output))
+            + tuple(str(f) for f in out_header.get("quarantine_files", [])),
             interrupted=bool(self.signals),
             quarantined=tuple(
                 (int(u), str(r)) for u, r in out_header.get("quarantine_reasons", [])
             ),
+            failures=groups_from(inp.get("failures")),
+            quarantine_files=tuple(str(f) for f in out_header.get("quarantine_files", [])),
+            allow_quarantine=self.options.allow_quarantine,
+        )
+
+
+def _say(line: str) -> None:
+    """One line on stderr, at once (the user waits for it)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def warn_many_workers(n_workers: int) -> None:
+    """A warning on stderr when ``n_workers`` is far above the cores this process may use."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    if n_workers > WORKERS_PER_CORE_WARN * cores:
+        _say(
+            f"evflow: warning: {n_workers} workers on {cores} core{'s' if cores != 1 else ''} "
+            f"(more than {WORKERS_PER_CORE_WARN} per core): each worker costs start-up time "
+            f"and memory and they only take turns on the cores; -p {cores} is usually fastest"
         )
 
 

@@ -117,8 +117,9 @@ def report_failures(
         shown = ", ".join(str(u) for u, _ in other[:SHOWN_UIDS])
         if len(other) > SHOWN_UIDS:
             shown += ", ..."
+        many = "s" if len(other) != 1 else ""
         stream.write(
-            f"evflow: {len(other)} event{'s' if len(other) != 1 else ''} quarantined "
-            f"without a module exception (uids {shown}): {other[0][1]}\n"
+            f"evflow: {len(other)} event{many} quarantined without a module exception "
+            f"(uid{many} {shown}): {other[0][1]}\n"
         )
     stream.flush()

@@ -34,7 +34,7 @@ from evflow.monitor.console import is_terminal
 from evflow.processing.chain import output_files
 from evflow.processing.failures import groups_from
 from evflow.processing.options import ProcessOptions
-from evflow.processing.parallel import checkpoint, scoreboard, state
+from evflow.processing.parallel import checkpoint, scoreboard, state, statsboard
 from evflow.processing.parallel.common import channel
 from evflow.processing.parallel.input import input_main
 from evflow.processing.parallel.output import output_main
@@ -135,6 +135,7 @@ class Parent:
         self.worker_hellos = 0
         self.all_ready_at = 0.0
         self.bad = BadMessageCounter("parallel parent")
+        self.slot_stats: dict[str, list[ModuleStatistics]] = {}  # exited workers' rows
 
     # --- life cycle ---------------------------------------------------------------------
     def run(self) -> RunSummary:
@@ -143,6 +144,11 @@ class Parent:
         # exact blame: one slot per worker index, shared with every fork of the zygote
         self.board = scoreboard.Scoreboard(self.n_workers)
         scoreboard.install(self.board)
+        # module statistics of workers that die without a RESULT (statsboard.py)
+        self.stats_board = statsboard.StatsBoard(
+            self.n_workers, [m.name for m in self.split.worker]
+        )
+        statsboard.install(self.stats_board)
         restore = self._install_signals()
         remove_stale_sessions()  # left by runs killed with kill -9 (their owner is gone)
         _preload(self.split)
@@ -189,6 +195,8 @@ class Parent:
             state.set_current(None)
             scoreboard.install(None)
             self.board.close()
+            statsboard.install(None)
+            self.stats_board.close()
             restore()
         if self.error is not None:
             raise self.error
@@ -330,6 +338,9 @@ class Parent:
 
     def _exited(self, pid: int, code: int) -> None:
         name = self.pids.pop(pid, None)
+        if name is not None and name.startswith("worker") and code != 0:
+            # what it did up to its last finished batch, if no RESULT comes (killed)
+            self.slot_stats[name] = self.stats_board.read(scoreboard.slot_of(name), name)
         if name is None or code == 0 or self.aborting_at:
             return
         if code == EXIT_RECYCLE and name.startswith("worker") and not self.hard:
@@ -513,7 +524,12 @@ class Parent:
         inp = self.results.get("input", ({}, []))[0]
         out_header, out_payload = self.results.get("output", ({}, []))
         rows: list[ModuleStatistics] = []
-        for role in sorted(self.results, key=_role_order):
+        # workers killed before their RESULT: their rows from the stats board
+        killed = {n: r for n, r in self.slot_stats.items() if n not in self.results and r}
+        for role in sorted([*self.results, *killed], key=_role_order):
+            if role in killed:
+                rows.extend(killed[role])
+                continue
             for d in self.results[role][0].get("stats", []):
                 rows.append(ModuleStatistics.from_dict(d))
         persistent: dict[str, Any] = {}
@@ -591,6 +607,7 @@ class Parent:
             outputs=tuple(output_files(self.split.output))
             + tuple(str(f) for f in out_header.get("quarantine_files", [])),
             interrupted=bool(self.signals),
+            killed_workers=tuple(sorted(killed, key=_role_order)),
             quarantined=tuple(
                 (int(u), str(r)) for u, r in out_header.get("quarantine_reasons", [])
             ),

@@ -1,0 +1,381 @@
+"""Failures a user of ``evflow run`` hits (issue 10, items 1-5 and the smaller ones):
+quarantined events and columnar outputs, exit codes, hung events and Ctrl-C, the
+statistics of killed workers, the command line, a full disk, Ctrl-C while starting."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from evflow import DataStore, Module
+from evflow.cli import main
+from evflow.processing.datastore import FLAG_QUARANTINED
+from evflow.processing.options import DEFAULT_EVENT_TIMEOUT_S, ProcessOptions
+from evflow.processing.parallel.checkpoint import CheckpointFile, CheckpointWriter
+from evflow.processing.statistics import ModuleStatistics
+from evflow.processing.summary import RunSummary
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+#: a module that fails on uid 7 every time, after a module-added object on the others
+BURN = """\
+import evflow
+import numpy as np
+from evflow.io.generators import ToyGenerator
+
+class Burn(evflow.Module):
+    parallel = True
+    def event(self, store):
+        if store.meta.uid == 7:
+            raise ValueError("bad calibration for uid 7")
+        store["burn_trace"] = np.arange(3, dtype=np.float64)
+
+class Flaky(evflow.Module):
+    parallel = True
+    def event(self, store):
+        if store.meta.uid == 11:
+            {}["no-such-constant"]
+
+evflow.process(evflow.Path([ToyGenerator(n_events=30, payload_bytes=16), Burn(), Flaky()]))
+"""
+
+#: uid 5 hangs; the others take 2 ms; argv[1]: the stop grace (s)
+HANG = """\
+import sys, time
+import evflow
+from evflow.io.generators import ToyGenerator
+
+class Hang(evflow.Module):
+    parallel = True
+    def event(self, store):
+        if store.meta.uid == 5:
+            time.sleep(1000)
+        time.sleep(0.002)
+
+extra = {"stop_grace_s": float(sys.argv[1])} if len(sys.argv) > 1 else {}
+path = evflow.Path([ToyGenerator(n_events=400, payload_bytes=16), Hang()])
+evflow.process(path, extra=extra)
+"""
+
+#: 10 ms per event: long enough to send a signal into
+SLOW = """\
+import time
+import evflow
+from evflow.io.generators import ToyGenerator
+
+class Slow(evflow.Module):
+    parallel = True
+    def event(self, store):
+        time.sleep(0.01)
+
+evflow.process(evflow.Path([ToyGenerator(n_events=200, payload_bytes=16), Slow()]))
+"""
+
+
+def steering(tmp_path: Path, text: str, name: str = "steer.py") -> str:
+    file = tmp_path / name
+    file.write_text(textwrap.dedent(text))
+    return str(file)
+
+
+def run_cli(
+    *args: str, timeout_s: float = 90, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "evflow", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=env,
+    )
+
+
+def start_cli(*args: str, ignore_sigint: bool = False) -> subprocess.Popen[str]:
+    """A run in its own process group (so a stray child never outlives the test)."""
+    handler = signal.SIG_IGN if ignore_sigint else signal.SIG_DFL
+
+    def child() -> None:
+        os.setpgrp()
+        signal.signal(signal.SIGINT, handler)  # pytest in the background may ignore it
+
+    return subprocess.Popen(
+        [sys.executable, "-m", "evflow", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=child,
+    )
+
+
+def finish(proc: subprocess.Popen[str], timeout_s: float = 60) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the run did not end within {timeout_s} s: {err[-2000:]}")
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # nothing may be left (normally: no group)
+    return proc.returncode, out, err
+
+
+def calls_of(table_text: str, module: str) -> int:
+    """The Calls column of ``module``'s row in a rendered statistics table."""
+    for line in table_text.splitlines():
+        cells = [c.strip() for c in re.split(r"[│┃|]", line) if c.strip()]
+        if cells and cells[0] == module:
+            return int(cells[1].replace(",", ""))
+    raise AssertionError(f"no row for {module!r} in:\n{table_text}")
+
+
+# --- 1. a columnar (ROOT) output and a quarantined event ---------------------------------
+def test_root_output_with_a_quarantined_event_completes_and_keeps_it_beside(
+    tmp_path: Path,
+) -> None:
+    import uproot
+
+    from evflow.io.records import RecordInput
+
+    out = tmp_path / "out.root"
+    result = run_cli("run", steering(tmp_path, BURN), "-p", "2", "-o", str(out))
+    assert result.returncode == 3, result.stderr
+    quarantine = Path(f"{out}.quarantine.evr")
+    assert f"quarantined events written to {quarantine}" in result.stdout
+    with uproot.open(out) as f:  # the run completed: a whole TTree without uid 7
+        tree = f["events"]
+        uids = sorted(tree["evflow_uid"].array(library="np").tolist())
+        assert "burn_trace" in tree
+    assert uids == [u for u in range(30) if u not in (7, 11)]
+    raw = list(RecordInput(file=str(quarantine)).events())
+    assert sorted(s.meta.uid for s in raw) == [7, 11]
+    assert all(s.meta.flags & FLAG_QUARANTINED for s in raw)
+
+
+def test_no_quarantine_file_is_left_when_nothing_was_quarantined(tmp_path: Path) -> None:
+    file = steering(tmp_path, BURN.replace("== 7", "== -1").replace("== 11", "== -1"))
+    out = tmp_path / "out.root"
+    result = run_cli("run", file, "-p", "2", "-q", "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    assert out.exists() and not Path(f"{out}.quarantine.evr").exists()
+
+
+# --- 2. failures are never silent; exit codes ------------------------------------------
+def test_quarantine_exits_3_and_names_every_failing_module_even_with_quiet(
+    tmp_path: Path,
+) -> None:
+    result = run_cli("run", steering(tmp_path, BURN), "-p", "2", "-q")
+    assert result.returncode == 3, result.stderr
+    assert result.stdout == ""
+    err = result.stderr
+    # the first traceback of each distinct failure, once
+    assert err.count("Traceback (most recent call last)") == 2
+    assert err.count('raise ValueError("bad calibration for uid 7")') == 1
+    assert err.count('{}["no-such-constant"]') == 1
+    lines = [line for line in err.splitlines() if line.startswith("evflow: module")]
+    assert len(lines) == 2
+    burn = next(line for line in lines if "'Burn'" in line)
+    assert "ValueError" in burn and "uid 7;" in burn and "3 failed attempts" in burn
+    assert "1 quarantined" in burn and "bad calibration for uid 7" in burn
+    flaky = next(line for line in lines if "'Flaky'" in line)
+    assert "KeyError" in flaky and "uid 11;" in flaky
+    assert err.strip().splitlines()[-1].startswith("evflow: error: 2 events failed")
+
+
+def test_sequential_and_parallel_runs_exit_alike_for_a_failing_event(tmp_path: Path) -> None:
+    file = steering(tmp_path, BURN)
+    sequential = run_cli("run", file, "-q")
+    parallel = run_cli("run", file, "-q", "-p", "2")
+    assert sequential.returncode == parallel.returncode == 3
+    assert "module 'Burn' raised in event() on event uid=7" in sequential.stderr
+
+
+def test_allow_quarantine_exits_0_but_still_names_the_failures(tmp_path: Path) -> None:
+    result = run_cli("run", steering(tmp_path, BURN), "-p", "2", "-q", "--allow-quarantine")
+    assert result.returncode == 0, result.stderr
+    assert "evflow: module 'Burn' failed: ValueError" in result.stderr
+    assert "error" not in result.stderr
+
+
+def test_help_documents_the_exit_codes_and_the_new_options(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "3 events failed in a module" in text
+    assert "--allow-quarantine" in text and "--event-timeout S" in text
+    assert "default: 300; 0: no limit" in text
+
+
+# --- 3. hung events, event timeout, Ctrl-C ------------------------------------------------
+def test_default_event_timeout_and_zero_for_no_limit() -> None:
+    assert DEFAULT_EVENT_TIMEOUT_S == 300.0
+    assert ProcessOptions().effective_event_timeout_s() == DEFAULT_EVENT_TIMEOUT_S
+    assert ProcessOptions(event_timeout_s=0).effective_event_timeout_s() is None
+    assert ProcessOptions(event_timeout_s=2.5).effective_event_timeout_s() == 2.5
+
+
+def test_event_timeout_quarantines_a_hung_event_and_killed_workers_still_count(
+    tmp_path: Path,
+) -> None:
+    file = steering(tmp_path, HANG)
+    result = run_cli("run", file, "-p", "2", "--event-timeout", "1")
+    assert result.returncode == 3, result.stderr
+    assert "400 read, 399 written, 0 dropped, 1 quarantined" in result.stdout
+    assert "no result within event_timeout_s=1 s" in result.stderr
+    assert "uid 5" in result.stderr
+    # item 4: the workers killed for the timeout count their calls too
+    assert calls_of(result.stdout, "Hang") >= 399
+    assert "killed before they reported: worker-" in result.stdout
+
+
+def test_first_ctrl_c_during_a_hang_says_what_it_waits_for_and_ends_in_time(
+    tmp_path: Path,
+) -> None:
+    proc = start_cli("run", steering(tmp_path, HANG), "-p", "2", "--", "2")
+    time.sleep(3.0)  # uid 5 hangs; the others are done (the default timeout is 300 s)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    code, _, err = finish(proc)
+    took_s = time.monotonic() - sent
+    assert code == 130, err
+    assert took_s < 2 + 5 + 10  # the stop grace, the abort grace, slack for a busy machine
+    assert re.search(r"evflow: stopping \(Ctrl-C\): .*waiting up to 2 s .*1 busy worker", err)
+    summary = re.search(r"evflow: (\d+) read, (\d+) written", err)
+    assert summary is not None, err
+    read, written = int(summary[1]), int(summary[2])
+    assert read >= written > 0
+    assert "[interrupted]" in err
+
+
+def test_parallel_run_keeps_an_ignored_sigint_ignored(tmp_path: Path) -> None:
+    proc = start_cli("run", steering(tmp_path, SLOW), "-p", "2", ignore_sigint=True)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    code, out, err = finish(proc)
+    assert code == 0, err
+    assert "200 read, 200 written" in out and "interrupted" not in out + err
+
+
+# --- 4. the statistics table with many processes -----------------------------------------
+def test_statistics_table_folds_the_columns_of_many_processes() -> None:
+    rows = [ModuleStatistics("Reco", 10 + i, 0.01, 0, f"worker-{i}") for i in range(40)]
+    summary = RunSummary(events_read=1180, events_written=1180, workers=40, modules=tuple(rows))
+    text = str(summary)
+    width = max(len(line) for line in text.splitlines())
+    assert width < 160, text
+    assert "40 processes: per-process columns folded" in text
+    cells = next(line for line in text.splitlines() if line.lstrip("│┃ ").startswith("Reco"))
+    assert re.search(r"1,180 .* 40 .* 10 .* 49", cells), cells
+
+
+# --- 5. the command line ---------------------------------------------------------------------
+def test_steering_arguments_after_options_and_double_dash(tmp_path: Path, capsys) -> None:
+    file = steering(
+        tmp_path,
+        "import sys, evflow\nfrom evflow.io.generators import ToyGenerator\n"
+        "assert sys.argv[1:] == ['--outdir', 'D', '-n', '2'], sys.argv\n"
+        "evflow.process(evflow.Path([ToyGenerator(n_events=6)]))\n",
+    )
+    out = tmp_path / "x.evr"
+    assert main(["run", file, "-o", str(out), "-q", "--", "--outdir", "D", "-n", "2"]) == 0
+    assert out.exists()
+    assert main(["run", "-q", "--", file, "--outdir", "D", "-n", "2"]) == 0
+
+
+class PassThrough(Module):
+    parallel = True
+
+    def event(self, store: DataStore) -> None:
+        return None
+
+
+def test_many_workers_per_core_get_a_warning(tmp_path: Path, monkeypatch, capsys) -> None:
+    import evflow
+    from evflow.io.generators import ToyGenerator
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    path = evflow.Path([ToyGenerator(n_events=20, payload_bytes=16), PassThrough()])
+    summary = evflow.process(path, workers=5, quiet=True)
+    assert summary.events_written == 20
+    err = capsys.readouterr().err
+    assert "evflow: warning: 5 workers on 1 core (more than 4 per core)" in err
+
+
+# --- smaller ones -------------------------------------------------------------------------------
+def test_restarted_input_checkpoints_at_its_first_progress(tmp_path: Path) -> None:
+    now = [0.0]
+    ckpt = CheckpointFile(str(tmp_path / "out.evr.ckpt"))
+    writer = CheckpointWriter(
+        ckpt, "run", interval_s=2.0, clock=lambda: now[0], first_interval_s=0.1, start_position=40
+    )
+    now[0] = 0.15
+    assert not writer.maybe_write(40)  # where it started: nothing new
+    now[0] = 0.3
+    assert writer.maybe_write(52)  # soon after the restart, not 2 s later
+    loaded = ckpt.load()
+    assert loaded is not None and loaded.position == 52
+    now[0] = 0.5
+    assert not writer.maybe_write(60)  # then the usual interval
+    now[0] = 2.4
+    assert writer.maybe_write(60)
+
+
+def test_ctrl_c_while_the_package_imports_is_one_line(tmp_path: Path) -> None:
+    # a stdlib module evflow imports, shadowed: the interrupt arrives mid-import
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "contextvars.py").write_text("raise KeyboardInterrupt\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake), str(SRC)])}
+    result = run_cli("--version", env=env)
+    assert result.returncode == 130
+    assert result.stderr == "evflow: interrupted\n"
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 512 kB tmpfs: writes beyond it fail with ENOSPC (needs root and mount)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a small tmpfs needs root")
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=512k", "evflow-test-disk", str(mount)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_a_full_disk_is_one_line(tmp_path: Path, small_disk: Path, workers: str) -> None:
+    file = steering(
+        tmp_path,
+        "import evflow\nfrom evflow.io.generators import ToyGenerator\n"
+        "class Pass(evflow.Module):\n    parallel = True\n"
+        "    def event(self, store):\n        pass\n"
+        "path = evflow.Path([ToyGenerator(n_events=4000, payload_bytes=1000), Pass()])\n"
+        "evflow.process(path)\n",
+    )
+    out = small_disk / "o.evr"
+    result = run_cli("run", file, "-q", "-p", workers, "-o", str(out))
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"evflow: error: cannot write record file '{out}'")
+    assert "No space left on device" in lines[0]

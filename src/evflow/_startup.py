@@ -9,6 +9,7 @@ evflow the interrupt goes on as usual.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 #: the module names ``python -m`` runs as the command
@@ -27,6 +28,8 @@ def is_evflow_command() -> bool:
 def interrupted_during_import() -> None:
     """Exit 130 with one line if this is the ``evflow`` command; else return."""
     if is_evflow_command():
+        # a second Ctrl-C while the interpreter exits would end it by the signal (-2)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         sys.stderr.write("evflow: interrupted\n")
         sys.stderr.flush()
         raise SystemExit(130)

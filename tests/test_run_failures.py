@@ -379,3 +379,50 @@ def test_a_full_disk_is_one_line(tmp_path: Path, small_disk: Path, workers: str)
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith(f"evflow: error: cannot write record file '{out}'")
     assert "No space left on device" in lines[0]
+
+
+def test_a_restarted_input_checkpoints_soon_not_a_whole_interval_later(tmp_path: Path) -> None:
+    import threading
+
+    import psutil
+
+    import evflow
+    from evflow.io import BusyWork, ToyGenerator
+    from evflow.io.records import RecordOutput
+
+    out = tmp_path / "r.evr"
+    ckpt = CheckpointFile(f"{out}.ckpt")
+    positions: list[int] = []  # the checkpoint's position at each kill of the input
+
+    def kill_input() -> None:
+        cp = ckpt.load()
+        positions.append(cp.position if cp is not None else -1)
+        for p in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if p.name() == "input":
+                    p.send_signal(signal.SIGKILL)
+
+    def killer() -> None:
+        deadline = time.monotonic() + 30
+        while not Path(f"{out}.ckpt").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)  # the first checkpoint comes after the 2 s interval
+        kill_input()
+        time.sleep(1.0)  # half the interval: only a checkpoint soon after the restart
+        kill_input()  # ... lets this second kill keep the restarted input's work
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    n = 8000  # ~4 s of work on 2 workers
+    path = evflow.Path(
+        [
+            ToyGenerator(n_events=n, payload_bytes=200),
+            BusyWork(work_ms=1.0),
+            RecordOutput(file=str(out)),
+        ]
+    )
+    summary = evflow.process(path, workers=2, quiet=True)
+    thread.join(timeout=30)
+    assert summary.counters["input restarts"] == 2
+    assert summary.events_written == n
+    first, second = positions
+    assert 0 <= first < second < n, positions

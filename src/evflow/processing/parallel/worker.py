@@ -43,6 +43,7 @@ from evflow.processing.parallel.lazystore import ReceivedBatch
 from evflow.processing.parallel.persist import encode_persistent
 from evflow.processing.parallel.scoreboard import current as current_scoreboard
 from evflow.processing.parallel.scoreboard import slot_of
+from evflow.processing.parallel.statsboard import StatsBoard
 from evflow.processing.parallel.statsboard import current as current_stats_board
 from evflow.transport.shm import ShmViews
 from evflow.wire.codec import encode_event
@@ -72,6 +73,9 @@ def worker_main(session: str, name: str, event_buffer: int, memory_limit_mb: flo
 
 
 class _Worker:
+    #: module statistics per batch in shared memory (statsboard.py); None: not kept
+    stats_board: StatsBoard | None = None
+
     def __init__(
         self,
         ctx: zmq.Context[Any],

@@ -426,3 +426,28 @@ def test_a_restarted_input_checkpoints_soon_not_a_whole_interval_later(tmp_path:
     assert summary.events_written == n
     first, second = positions
     assert 0 <= first < second < n, positions
+
+
+def test_failure_lines_say_when_every_failed_event_was_retried_successfully() -> None:
+    import io
+
+    from evflow.processing.failures import FailureLog, groups_from, report_failures
+
+    log = FailureLog()
+    log.add("Calib", "KeyError", "'x'", 3, "Traceback (most recent call last):\n  boom\n")
+    log.add("Calib", "KeyError", "'x'", 3, "Traceback (most recent call last):\n  again\n")
+    log.add("Calib", "KeyError", "'x'", 9, "")
+    groups = groups_from(log.as_list())
+    assert groups_from([["garbage"], 7, ["a", "b", "c", "d", "many", []]]) == ()
+    stream = io.StringIO()
+    report_failures(groups, (), stream)
+    text = stream.getvalue()
+    assert text.count("Traceback") == 1 and "boom" in text and "again" not in text
+    assert text.splitlines()[-1] == (
+        "evflow: module 'Calib' failed: KeyError on 2 events (uids 3, 9; 3 failed attempts; "
+        "all retried successfully): 'x'"
+    )
+    summary = RunSummary(events_read=10, events_written=10, workers=2, failures=groups)
+    assert not summary.events_failed  # retried successfully: exit code 0
+    assert RunSummary(events_quarantined=1).events_failed
+    assert not RunSummary(events_quarantined=1, allow_quarantine=True).events_failed

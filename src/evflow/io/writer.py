@@ -60,9 +60,11 @@ QUARANTINE_SUFFIX = ".quarantine.evr"
 
 
 def quarantine_file_for(writer: object) -> str | None:
-    """Where a parallel run writes the quarantined events a columnar ``writer`` cannot
-    hold: a record file beside the writer's file; None for a writer that takes them."""
-    if not getattr(writer, "columnar", False):
+    """Where a parallel run writes the quarantined events ``writer`` cannot hold (it is
+    columnar, or has no ``write_raw``): a record file beside the writer's file; None
+    for a writer that takes them."""
+    no_raw = getattr(type(writer), "write_raw", None) is Writer.write_raw
+    if not (getattr(writer, "columnar", False) or no_raw):
         return None
     file = getattr(writer, "file", None)
     return f"{file}{QUARANTINE_SUFFIX}" if file else None

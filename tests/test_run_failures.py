@@ -270,8 +270,16 @@ def test_parallel_run_keeps_an_ignored_sigint_ignored(tmp_path: Path) -> None:
 # --- 4. the statistics table with many processes -----------------------------------------
 def test_statistics_table_folds_the_columns_of_many_processes() -> None:
     rows = [ModuleStatistics("Reco", 10 + i, 0.01, 0, f"worker-{i}") for i in range(40)]
-    summary = RunSummary(events_read=1180, events_written=1180, workers=40, modules=tuple(rows))
+    killed = tuple(f"worker-{i}" for i in range(30))
+    summary = RunSummary(
+        events_read=1180,
+        events_written=1180,
+        workers=40,
+        modules=tuple(rows),
+        killed_workers=killed,
+    )
     text = str(summary)
+    assert "killed before they reported: worker-0, " in text and "and 22 more" in text
     width = max(len(line) for line in text.splitlines())
     assert width < 160, text
     assert "40 processes: per-process columns folded" in text

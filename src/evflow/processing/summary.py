@@ -132,9 +132,13 @@ class RunSummary:
                 "processes a module ran in and its fewest and most calls in one of them"
             )
         if self.killed_workers:
+            killed = list(self.killed_workers)
+            names = ", ".join(killed[:MAX_PROCESS_COLUMNS])
+            if len(killed) > MAX_PROCESS_COLUMNS:
+                names += f" and {len(killed) - MAX_PROCESS_COLUMNS} more"
             notes.append(
-                f"killed before they reported: {', '.join(self.killed_workers)} (their "
-                "calls count up to their last finished batch)"
+                f"killed before they reported: {names} (their calls count up to their "
+                "last finished batch)"
             )
         table = Table(
             title="Module statistics",

@@ -466,3 +466,24 @@ def test_failure_lines_say_when_every_failed_event_was_retried_successfully() ->
     assert not summary.events_failed  # retried successfully: exit code 0
     assert RunSummary(events_quarantined=1).events_failed
     assert not RunSummary(events_quarantined=1, allow_quarantine=True).events_failed
+
+
+def test_sequential_first_ctrl_c_during_a_hang_says_so_and_the_second_stops(
+    tmp_path: Path,
+) -> None:
+    import select
+
+    proc = start_cli("run", steering(tmp_path, HANG), "-q")
+    time.sleep(1.5)  # at uid 5, hung
+    proc.send_signal(signal.SIGINT)
+    assert proc.stderr is not None
+    seen = ""
+    deadline = time.monotonic() + 10
+    while "evflow: stopping (Ctrl-C)" not in seen and time.monotonic() < deadline:
+        if select.select([proc.stderr], [], [], 0.1)[0]:
+            seen += os.read(proc.stderr.fileno(), 4096).decode()
+    assert "evflow: stopping (Ctrl-C): the current event finishes" in seen
+    proc.send_signal(signal.SIGINT)
+    code, _, err = finish(proc)
+    assert code == 130
+    assert "Traceback" not in seen + err

@@ -8,6 +8,8 @@ the writers are terminated, so everything written so far stays readable.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import sys
 import threading
@@ -142,6 +144,15 @@ class StopSignals:
         if self.signum:
             raise_for_signal(signum)
         self.signum = signum
+        # say it at once: an event that hangs would otherwise look like an ignored Ctrl-C
+        # (os.write: a signal handler must not re-enter a buffered stream)
+        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        with contextlib.suppress(OSError):
+            os.write(
+                2,
+                f"evflow: stopping ({what}): the current event finishes, then the run "
+                "ends and its files are closed (Ctrl-C again: stop now)\n".encode(),
+            )
 
     def __exit__(
         self,

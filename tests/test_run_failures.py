@@ -15,6 +15,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -118,6 +119,25 @@ def start_cli(*args: str, ignore_sigint: bool = False) -> subprocess.Popen[str]:
     )
 
 
+@pytest.fixture
+def cli() -> Iterator[Any]:
+    """``cli(*args)`` starts a run; every run still going at the end is killed and reaped
+    (a failed assertion must not leave processes behind)."""
+    started: list[subprocess.Popen[str]] = []
+
+    def start(*args: str, ignore_sigint: bool = False) -> subprocess.Popen[str]:
+        proc = start_cli(*args, ignore_sigint=ignore_sigint)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:  # (an ended, reaped run's pid may belong to another now)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+
+
 def finish(proc: subprocess.Popen[str], timeout_s: float = 60) -> tuple[int, str, str]:
     try:
         out, err = proc.communicate(timeout=timeout_s)
@@ -126,8 +146,6 @@ def finish(proc: subprocess.Popen[str], timeout_s: float = 60) -> tuple[int, str
             os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         pytest.fail(f"the run did not end within {timeout_s} s: {err[-2000:]}")
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)  # nothing may be left (normally: no group)
     return proc.returncode, out, err
 
 
@@ -240,9 +258,9 @@ def test_event_timeout_quarantines_a_hung_event_and_killed_workers_still_count(
 
 
 def test_first_ctrl_c_during_a_hang_says_what_it_waits_for_and_ends_in_time(
-    tmp_path: Path,
+    tmp_path: Path, cli: Any
 ) -> None:
-    proc = start_cli("run", steering(tmp_path, HANG), "-p", "2", "--", "2")
+    proc = cli("run", steering(tmp_path, HANG), "-p", "2", "--", "2")
     time.sleep(3.0)  # uid 5 hangs; the others are done (the default timeout is 300 s)
     sent = time.monotonic()
     proc.send_signal(signal.SIGINT)
@@ -258,8 +276,8 @@ def test_first_ctrl_c_during_a_hang_says_what_it_waits_for_and_ends_in_time(
     assert "[interrupted]" in err
 
 
-def test_parallel_run_keeps_an_ignored_sigint_ignored(tmp_path: Path) -> None:
-    proc = start_cli("run", steering(tmp_path, SLOW), "-p", "2", ignore_sigint=True)
+def test_parallel_run_keeps_an_ignored_sigint_ignored(tmp_path: Path, cli: Any) -> None:
+    proc = cli("run", steering(tmp_path, SLOW), "-p", "2", ignore_sigint=True)
     time.sleep(1.0)
     proc.send_signal(signal.SIGINT)
     code, out, err = finish(proc)
@@ -469,11 +487,11 @@ def test_failure_lines_say_when_every_failed_event_was_retried_successfully() ->
 
 
 def test_sequential_first_ctrl_c_during_a_hang_says_so_and_the_second_stops(
-    tmp_path: Path,
+    tmp_path: Path, cli: Any
 ) -> None:
     import select
 
-    proc = start_cli("run", steering(tmp_path, HANG), "-q")
+    proc = cli("run", steering(tmp_path, HANG), "-q")
     time.sleep(1.5)  # at uid 5, hung
     proc.send_signal(signal.SIGINT)
     assert proc.stderr is not None

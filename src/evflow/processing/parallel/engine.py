@@ -37,6 +37,8 @@ from evflow.processing.options import ProcessOptions
 from evflow.processing.parallel import checkpoint, scoreboard, state, statsboard
 from evflow.processing.parallel.common import channel
 from evflow.processing.parallel.input import input_main
+from evflow.processing.parallel.notices import say as _say
+from evflow.processing.parallel.notices import stopping_line, warn_many_workers
 from evflow.processing.parallel.output import output_main
 from evflow.processing.parallel.persist import decode_persistent
 from evflow.processing.parallel.restarts import RestartPolicy, output_restart_refusal
@@ -59,8 +61,6 @@ ABORT_GRACE_S = 5.0
 #: stops as after a second one (a hung event must not hold the shutdown; option
 #: ``extra={"stop_grace_s": s}``)
 STOP_GRACE_S = 30.0
-#: more workers than this many per core get a warning (start-up, memory, contention)
-WORKERS_PER_CORE_WARN = 4
 
 
 def describe_exit(code: int) -> str:
@@ -510,14 +510,7 @@ class Parent:
     def _say_stopping(self) -> None:
         """The first interrupt: say what the shutdown waits for, and for how long."""
         busy = sum(1 for i in range(self.n_workers) if self.board.read(i).state == scoreboard.BUSY)
-        what = (
-            "Ctrl-C" if self.signals[0] == signal.SIGINT else signal.Signals(self.signals[0]).name
-        )
-        _say(
-            f"evflow: stopping ({what}): no new events are read; waiting up to "
-            f"{self.stop_grace_s:g} s for the events in flight on {busy} busy worker"
-            f"{'s' if busy != 1 else ''} to be written (Ctrl-C again: stop now)"
-        )
+        _say(stopping_line(self.signals[0], self.stop_grace_s, busy))
 
     # --- the summary ----------------------------------------------------------------------
     def _summary(self, wall_s: float) -> RunSummary:
@@ -614,26 +607,6 @@ class Parent:
             failures=groups_from(inp.get("failures")),
             quarantine_files=tuple(str(f) for f in out_header.get("quarantine_files", [])),
             allow_quarantine=self.options.allow_quarantine,
-        )
-
-
-def _say(line: str) -> None:
-    """One line on stderr, at once (the user waits for it)."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
-
-
-def warn_many_workers(n_workers: int) -> None:
-    """A warning on stderr when ``n_workers`` is far above the cores this process may use."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    if n_workers > WORKERS_PER_CORE_WARN * cores:
-        _say(
-            f"evflow: warning: {n_workers} workers on {cores} core{'s' if cores != 1 else ''} "
-            f"(more than {WORKERS_PER_CORE_WARN} per core): each worker costs start-up time "
-            f"and memory and they only take turns on the cores; -p {cores} is usually fastest"
         )
 
 

@@ -505,3 +505,50 @@ def test_sequential_first_ctrl_c_during_a_hang_says_so_and_the_second_stops(
     code, _, err = finish(proc)
     assert code == 130
     assert "Traceback" not in seen + err
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_allow_quarantine_gives_sequential_and_parallel_runs_the_same_outcome(
+    tmp_path: Path, workers: str
+) -> None:
+    import uproot
+
+    from evflow.io.records import RecordInput
+
+    out = tmp_path / "out.root"
+    file = steering(tmp_path, BURN)
+    result = run_cli("run", file, "-p", workers, "-q", "-o", str(out), "--allow-quarantine")
+    assert result.returncode == 0, result.stderr
+    assert "evflow: module 'Burn' failed: ValueError on 1 event (uid 7;" in result.stderr
+    with uproot.open(out) as f:
+        uids = sorted(f["events"]["evflow_uid"].array(library="np").tolist())
+    assert uids == [u for u in range(30) if u not in (7, 11)]
+    raw = list(RecordInput(file=f"{out}.quarantine.evr").events())
+    assert sorted(s.meta.uid for s in raw) == [7, 11]
+    assert all(s.meta.flags & FLAG_QUARANTINED for s in raw)
+    assert all("raised in event()" in str(s["evflow_quarantine_reason"]) for s in raw)
+
+
+class AlwaysFails(Module):
+    def event(self, store: DataStore) -> None:
+        raise RuntimeError(f"no luck on {store.meta.uid}")
+
+
+def test_sequential_allow_quarantine_stops_past_max_quarantined(tmp_path: Path) -> None:
+    import evflow
+    from evflow.errors import ModuleError
+    from evflow.io.generators import ToyGenerator
+
+    out = tmp_path / "q.evr"
+    path = evflow.Path([ToyGenerator(n_events=10), AlwaysFails()])
+    summary = evflow.process(path, quiet=True, allow_quarantine=True, output=str(out))
+    assert (summary.events_read, summary.events_written, summary.events_quarantined) == (10, 0, 10)
+    assert [u for u, _ in summary.quarantined] == list(range(10))
+    assert not summary.events_failed
+    from evflow.io.records import RecordInput
+
+    raw = list(RecordInput(file=str(out)).events())  # written flagged, in the output itself
+    assert [s.meta.uid for s in raw] == list(range(10))
+    assert all(s.meta.flags & FLAG_QUARANTINED for s in raw)
+    with pytest.raises(ModuleError, match="no luck on 3"):
+        evflow.process(path, quiet=True, allow_quarantine=True, extra={"max_quarantined": 3})

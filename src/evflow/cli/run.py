@@ -20,8 +20,9 @@ from evflow.processing.failures import EXIT_EVENTS_FAILED
 EPILOG = f"""\
 exit codes: 0 done; 1 an error (one line 'evflow: error: ...'); 2 bad command line;
 {EXIT_EVENTS_FAILED} events failed in a module: a parallel run quarantined events (each
-failing module is named on stderr, even with -q; --allow-quarantine exits 0 instead),
-a sequential run stopped at the first; 130 interrupted (Ctrl-C); 143 terminated (SIGTERM).
+failing module is named on stderr, even with -q), a sequential run stopped at the
+first; with --allow-quarantine both quarantine them and exit 0; 130 interrupted
+(Ctrl-C); 143 terminated (SIGTERM).
 """
 
 
@@ -113,8 +114,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--allow-quarantine",
         action="store_true",
-        help=f"parallel runs: exit 0 although events were quarantined (default: exit "
-        f"code {EXIT_EVENTS_FAILED})",
+        help=f"an event a module raises on is quarantined (written flagged, the run "
+        f"goes on) and the run exits 0 (default: exit code {EXIT_EVENTS_FAILED}; a "
+        f"sequential run stops at the first)",
     )
     parser.add_argument(
         "args",

@@ -47,8 +47,9 @@ class ProcessOptions:
     max_attempts: int = 3
     """Parallel: failed attempts before an event is written raw and flagged quarantined."""
     allow_quarantine: bool = False
-    """Parallel: quarantined events are acceptable; ``evflow run`` then exits 0 with them
-    (default: exit code 3, ``EXIT_EVENTS_FAILED``)."""
+    """Quarantined events are acceptable: ``evflow run`` then exits 0 with them (default:
+    exit code 3, ``EXIT_EVENTS_FAILED``), and a sequential run quarantines an event a
+    module raises on and goes on instead of stopping (processing/quarantine.py)."""
     resume: bool = False
     """Parallel: continue a stopped run from its output file (skip uids already written)."""
     transport: str = "zmq"

@@ -51,7 +51,7 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "run",
         help="run a steering file",
-        description="Run a steering file: plain Python that builds a path and calls "
+        description="Run a steering file: plain Python that builds a path and calls\n"
         "evflow.process(path). Options given here override the file's own.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -82,7 +82,12 @@ def register(subparsers: Any) -> None:
         metavar="N",
         help="run the parallel modules on N worker processes (0: in this process)",
     )
-    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")
+    parser.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="no progress bar and no summary (failed events are still named on stderr)",
+    )
     parser.add_argument(
         "--ordered",
         action="store_true",

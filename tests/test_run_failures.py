@@ -317,6 +317,11 @@ def test_steering_arguments_after_options_and_double_dash(tmp_path: Path, capsys
     assert main(["run", file, "-o", str(out), "-q", "--", "--outdir", "D", "-n", "2"]) == 0
     assert out.exists()
     assert main(["run", "-q", "--", file, "--outdir", "D", "-n", "2"]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main(["run", "-q"])
+    assert info.value.code == 2
+    assert "the following arguments are required: STEERING.py" in capsys.readouterr().err
 
 
 class PassThrough(Module):

@@ -34,9 +34,7 @@ class _RunParser(argparse.ArgumentParser):
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         words = list(sys.argv[1:] if args is None else args)
-        if "--" not in words:
-            return super().parse_known_args(words, namespace)
-        cut = words.index("--")
+        cut = words.index("--") if "--" in words else len(words)
         tail = words[cut + 1 :]
         ns, extras = super().parse_known_args(words[:cut], namespace)
         if ns.steering is None:

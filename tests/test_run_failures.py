@@ -51,9 +51,10 @@ class Flaky(evflow.Module):
 evflow.process(evflow.Path([ToyGenerator(n_events=30, payload_bytes=16), Burn(), Flaky()]))
 """
 
-#: uid 5 hangs; the others take 2 ms; argv[1]: the stop grace (s)
+#: uid 5 hangs (after creating the file $EVFLOW_TEST_MARK); the others take 2 ms;
+#: argv[1]: the stop grace (s)
 HANG = """\
-import sys, time
+import os, sys, time
 import evflow
 from evflow.io.generators import ToyGenerator
 
@@ -61,6 +62,7 @@ class Hang(evflow.Module):
     parallel = True
     def event(self, store):
         if store.meta.uid == 5:
+            open(os.environ.get("EVFLOW_TEST_MARK", os.devnull), "w").close()
             time.sleep(1000)
         time.sleep(0.002)
 
@@ -69,18 +71,20 @@ path = evflow.Path([ToyGenerator(n_events=400, payload_bytes=16), Hang()])
 evflow.process(path, extra=extra)
 """
 
-#: 10 ms per event: long enough to send a signal into
+#: 10 ms per event: long enough to send a signal into ($EVFLOW_TEST_MARK: running)
 SLOW = """\
-import time
+import os, time
 import evflow
 from evflow.io.generators import ToyGenerator
 
 class Slow(evflow.Module):
     parallel = True
     def event(self, store):
+        if store.meta.uid == 20:
+            open(os.environ.get("EVFLOW_TEST_MARK", os.devnull), "w").close()
         time.sleep(0.01)
 
-evflow.process(evflow.Path([ToyGenerator(n_events=200, payload_bytes=16), Slow()]))
+evflow.process(evflow.Path([ToyGenerator(n_events=400, payload_bytes=16), Slow()]))
 """
 
 
@@ -102,9 +106,13 @@ def run_cli(
     )
 
 
-def start_cli(*args: str, ignore_sigint: bool = False) -> subprocess.Popen[str]:
-    """A run in its own process group (so a stray child never outlives the test)."""
+def start_cli(
+    *args: str, ignore_sigint: bool = False, mark: Path | None = None
+) -> subprocess.Popen[str]:
+    """A run in its own process group (so a stray child never outlives the test);
+    ``mark``: the file its steering creates when it is where the test wants it."""
     handler = signal.SIG_IGN if ignore_sigint else signal.SIG_DFL
+    env = {**os.environ, "EVFLOW_TEST_MARK": str(mark)} if mark is not None else None
 
     def child() -> None:
         os.setpgrp()
@@ -116,7 +124,17 @@ def start_cli(*args: str, ignore_sigint: bool = False) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
         preexec_fn=child,
+        env=env,
     )
+
+
+def wait_for(mark: Path, proc: subprocess.Popen[str], timeout_s: float = 60) -> None:
+    """Until the run created ``mark`` (a loaded machine may take long to start it)."""
+    deadline = time.monotonic() + timeout_s
+    while not mark.exists():
+        assert proc.poll() is None, "the run ended before it got there"
+        assert time.monotonic() < deadline, f"the run did not get there in {timeout_s} s"
+        time.sleep(0.02)
 
 
 @pytest.fixture
@@ -125,8 +143,10 @@ def cli() -> Iterator[Any]:
     (a failed assertion must not leave processes behind)."""
     started: list[subprocess.Popen[str]] = []
 
-    def start(*args: str, ignore_sigint: bool = False) -> subprocess.Popen[str]:
-        proc = start_cli(*args, ignore_sigint=ignore_sigint)
+    def start(
+        *args: str, ignore_sigint: bool = False, mark: Path | None = None
+    ) -> subprocess.Popen[str]:
+        proc = start_cli(*args, ignore_sigint=ignore_sigint, mark=mark)
         started.append(proc)
         return proc
 
@@ -260,15 +280,18 @@ def test_event_timeout_quarantines_a_hung_event_and_killed_workers_still_count(
 def test_first_ctrl_c_during_a_hang_says_what_it_waits_for_and_ends_in_time(
     tmp_path: Path, cli: Any
 ) -> None:
-    proc = cli("run", steering(tmp_path, HANG), "-p", "2", "--", "2")
-    time.sleep(3.0)  # uid 5 hangs; the others are done (the default timeout is 300 s)
+    mark = tmp_path / "hung"
+    proc = cli("run", steering(tmp_path, HANG), "-p", "2", "--", "2", mark=mark)
+    wait_for(mark, proc)  # uid 5 hangs (the default timeout is 300 s) ...
+    time.sleep(1.0)  # ... and the other worker goes on with the rest
     sent = time.monotonic()
     proc.send_signal(signal.SIGINT)
     code, _, err = finish(proc)
     took_s = time.monotonic() - sent
     assert code == 130, err
     assert took_s < 2 + 5 + 10  # the stop grace, the abort grace, slack for a busy machine
-    assert re.search(r"evflow: stopping \(Ctrl-C\): .*waiting up to 2 s .*1 busy worker", err)
+    # (the hung worker; the other may still be busy on a loaded machine)
+    assert re.search(r"evflow: stopping \(Ctrl-C\): .*waiting up to 2 s .*[12] busy worker", err)
     summary = re.search(r"evflow: (\d+) read, (\d+) written", err)
     assert summary is not None, err
     read, written = int(summary[1]), int(summary[2])
@@ -277,12 +300,13 @@ def test_first_ctrl_c_during_a_hang_says_what_it_waits_for_and_ends_in_time(
 
 
 def test_parallel_run_keeps_an_ignored_sigint_ignored(tmp_path: Path, cli: Any) -> None:
-    proc = cli("run", steering(tmp_path, SLOW), "-p", "2", ignore_sigint=True)
-    time.sleep(1.0)
+    mark = tmp_path / "running"
+    proc = cli("run", steering(tmp_path, SLOW), "-p", "2", ignore_sigint=True, mark=mark)
+    wait_for(mark, proc)
     proc.send_signal(signal.SIGINT)
     code, out, err = finish(proc)
     assert code == 0, err
-    assert "200 read, 200 written" in out and "interrupted" not in out + err
+    assert "400 read, 400 written" in out and "interrupted" not in out + err
 
 
 # --- 4. the statistics table with many processes -----------------------------------------
@@ -496,8 +520,10 @@ def test_sequential_first_ctrl_c_during_a_hang_says_so_and_the_second_stops(
 ) -> None:
     import select
 
-    proc = cli("run", steering(tmp_path, HANG), "-q")
-    time.sleep(1.5)  # at uid 5, hung
+    mark = tmp_path / "hung"
+    proc = cli("run", steering(tmp_path, HANG), "-q", mark=mark)
+    wait_for(mark, proc)  # at uid 5, hung
+    time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     assert proc.stderr is not None
     seen = ""

@@ -469,8 +469,14 @@ def test_a_restarted_input_checkpoints_soon_not_a_whole_interval_later(tmp_path:
         while not Path(f"{out}.ckpt").exists() and time.monotonic() < deadline:
             time.sleep(0.01)  # the first checkpoint comes after the 2 s interval
         kill_input()
-        time.sleep(1.0)  # half the interval: only a checkpoint soon after the restart
-        kill_input()  # ... lets this second kill keep the restarted input's work
+        # the restarted input makes progress (events written after the kill), then,
+        # well within the 2 s interval, only a checkpoint soon after the restart lets
+        # this second kill keep the restarted input's work
+        size = out.stat().st_size
+        while out.stat().st_size < size + 60_000 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)
+        kill_input()
 
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()

@@ -14,6 +14,7 @@ BUILTIN_DEVICES: dict[str, str] = {
     "splitter": "evflow.runtime.devices.forward:Splitter",
     "merger": "evflow.runtime.devices.forward:Merger",
     "proxy": "evflow.runtime.devices.forward:Proxy",
+    "qc-merger": "evflow.qc.merger:QcMerger",
 }
 
 __all__ = ["BUILTIN_DEVICES"]

@@ -348,7 +348,8 @@ class MergeState:
                 s: n for up in upstream for s, n in up.get("events_by_source", {}).items()
             }
         n_missing = len(record["missing"])
-        total = max(n_expected, len(record["seen"]) + n_missing + len(record["ended"]))
+        everyone = set(record["seen"]) | set(record["missing"]) | set(record["ended"])
+        total = max(n_expected, len(everyone))
         record["fraction"] = 1.0 if total == 0 else round((total - n_missing) / total, 4)
         return record
 

@@ -236,3 +236,74 @@ def test_a_non_mergeable_object_is_reported_once_and_skipped() -> None:
     assert state.accept(header, payload) == "merged"
     assert {p.name: p.obj for p in state.publish()} == {"n": 1}
     assert np.isfinite(state.counters["merged_objects"])
+
+
+class HistProducer(Producer):
+    """Histograms only, small and large, additive storages: the stacked fast path."""
+
+    def __init__(self, src: str, bins: int = 10) -> None:
+        super().__init__(src)
+        self.objects = {
+            "a": hist.Hist.new.Reg(bins, 0, 1).Double(),
+            "b": hist.Hist.new.Reg(bins, 0, 1).Double(),
+            "w": hist.Hist.new.Reg(4, 0, 1).Reg(3, 0, 1).Weight(),
+            "i": hist.Hist.new.Reg(5, 0, 1).Int64(),
+            "big": hist.Hist.new.Reg(20_000, 0, 1).Double(),  # 160 kB: added one by one
+        }
+
+    def fill(self, xs: list[float]) -> None:
+        for x in xs:
+            self.objects["a"].fill(x)
+            self.objects["b"].fill(1 - x)
+            self.objects["w"].fill(x, x, weight=0.5)
+            self.objects["i"].fill(x)
+            self.objects["big"].fill(x)
+        self.events += len(xs)
+
+
+def test_stacked_fast_path_equals_the_sequential_fill() -> None:
+    state = MergeState("m", run=5, window_cycles=2)
+    ref = HistProducer("ref")
+    producers = [HistProducer(f"p{i}") for i in range(3)]
+    rng = np.random.default_rng(3)
+    for cycle in range(4):
+        for p in producers:
+            xs = list(np.round(rng.random(7) * 1024) / 1024)
+            p.fill(xs)
+            ref.fill(xs)
+            msg = p.message()
+            assert state.accept(*msg) == "merged"
+            assert state.accept(*msg) == "duplicate"
+        if cycle % 2:
+            state.publish()
+    blob = state.to_bytes()
+    again = MergeState("m", run=5, window_cycles=2)
+    again.restore(blob)
+    out = _final(again)
+    for name, obj in ref.objects.items():
+        assert out[name].obj == obj, name
+    assert again.sources["p0"].events == 28
+    assert out["a"].event_count == 84
+    assert state.tasks["t"].plans  # the fast path was taken
+
+
+def test_stacked_fast_path_drops_bad_frames_and_other_binning() -> None:
+    state = MergeState("m", run=5)
+    p = HistProducer("p")
+    p.fill([0.25])
+    state.accept(*p.message())
+    p.fill([0.75])
+    header, payload = p.message()
+    broken = [*payload[:-1], payload[-1][:-8]]  # the known head, one frame too short
+    assert state.accept(header, broken) == "dropped"
+    assert state.dropped == {"garbage": 1}
+    wrong = HistProducer("wrong", bins=11)
+    wrong.fill([0.5])
+    state.accept(*wrong.message())
+    assert state.dropped["incompatible"] == 2  # a and b of another binning
+    out = _final(state)
+    ref = HistProducer("ref")
+    ref.fill([0.25])
+    assert out["a"].obj == ref.objects["a"] and out["b"].obj == ref.objects["b"]
+    # the wrong one's other histograms have the right binning: they are merged
+    assert out["big"].obj.sum() == 2 and out["w"].obj.sum().value == 1.0

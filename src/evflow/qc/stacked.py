@@ -1,0 +1,133 @@
+"""The merger's fast path: the histograms of a batched delta added as one array.
+
+A producer sends all its histograms of a cycle in one message, one raw bin array per
+histogram (the parallel engine's delta format). Producers of one task send the same
+objects, so their delta heads are byte-identical: the head is parsed and checked once,
+into a ``StackPlan`` that groups the histograms by bin layout. Each later delta with
+that head is joined into one buffer per group and added with a single numpy operation
+into a *pending* stack (rows = histograms); ``flush`` adds the pending rows into the
+merged histograms (before a publication, a checkpoint, a reset or any other merge), so
+the integral that is published is exactly the sum of every delta. A 1 kB histogram
+then costs ~0.5 us to merge instead of ~7 us.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from evflow.errors import CodecError
+from evflow.processing.parallel.deltas import DeltaMerger
+
+#: plans kept per task (one per distinct set of filled histograms)
+MAX_PLANS = 64
+#: histograms of at least this many bytes are added one by one (joining them would copy)
+LARGE_BYTES = 64 * 1024
+
+
+class _Group:
+    """Histograms of one bin layout in a delta: frame indices, names, pending sums."""
+
+    __slots__ = ("dtype", "frames", "names", "nbytes", "pending", "shape", "specs", "templates")
+
+    def __init__(self, dtype: np.dtype[Any], shape: tuple[int, ...]) -> None:
+        self.dtype = dtype
+        self.shape = shape
+        self.frames: list[int] = []
+        self.names: list[str] = []
+        self.templates: list[Any] = []
+        self.specs: list[bytes] = []
+        self.pending: np.ndarray = np.empty(0)
+        self.nbytes = 0
+
+    def seal(self) -> None:
+        flat = _flat_dtype(self.dtype)
+        per_item = int(np.prod(self.shape)) * (len(self.dtype.names) if self.dtype.names else 1)
+        self.pending = np.zeros((len(self.names), per_item), dtype=flat)
+        self.nbytes = self.pending.nbytes
+
+
+def _flat_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
+    """The dtype that adds like ``dtype`` element by element (a Weight's two f8 fields: f8)."""
+    if dtype.names is None:
+        return dtype
+    kinds = {dtype.fields[n][0] for n in dtype.names}  # type: ignore[index]
+    if len(kinds) != 1:
+        raise CodecError(f"bin dtype {dtype} has fields of different types")
+    return kinds.pop()  # type: ignore[no-any-return]
+
+
+class StackPlan:
+    """How to add the histograms of one delta head; see the module docstring."""
+
+    __slots__ = ("dirty", "groups", "n_items")
+
+    def __init__(self, decoded: list[tuple[str, str, Any]], frames_used: list[int]) -> None:
+        groups: dict[tuple[str, tuple[int, ...]], _Group] = {}
+        for (name, _, (tmpl, spec, arr)), index in zip(decoded, frames_used, strict=True):
+            key = (arr.dtype.str, arr.shape)
+            group = groups.get(key)
+            if group is None:
+                group = groups[key] = _Group(arr.dtype, arr.shape)
+            group.frames.append(index)
+            group.names.append(name)
+            group.templates.append(tmpl)
+            group.specs.append(spec)
+        for group in groups.values():
+            group.seal()
+        self.groups = list(groups.values())
+        self.n_items = len(decoded)
+        self.dirty = False
+
+    def add(self, frames: Sequence[Any]) -> None:
+        """Add one delta's bins into the pending stacks (CodecError if they do not fit)."""
+        parts: list[tuple[_Group, list[np.ndarray]]] = []
+        for group in self.groups:
+            try:
+                raws = [frames[i] for i in group.frames]
+            except IndexError:
+                raise CodecError("delta frames do not match their head") from None
+            row_bytes = group.nbytes // len(group.names)
+            if any(memoryview(raw).nbytes != row_bytes for raw in raws):
+                raise CodecError(f"delta bins of another size than the {row_bytes} bytes announced")
+            if row_bytes >= LARGE_BYTES:  # large: add each in place, no copy into one buffer
+                parts.append((group, [np.frombuffer(r, dtype=group.pending.dtype) for r in raws]))
+            else:  # small: one buffer, one addition for all of them
+                joined = np.frombuffer(b"".join(raws), dtype=group.pending.dtype)
+                parts.append((group, [joined.reshape(group.pending.shape)]))
+        for group, arrays in parts:  # every size checked: add all
+            if len(arrays) == 1 and arrays[0].ndim == 2:
+                group.pending += arrays[0]
+            else:
+                for row, arr in zip(group.pending, arrays, strict=True):
+                    row += arr
+        self.dirty = True
+
+    def flush(self, targets: list[DeltaMerger], source: str) -> None:
+        """Add the pending sums into the merged histograms and zero them."""
+        if not self.dirty:
+            return
+        for group in self.groups:
+            for row, name, tmpl, spec in zip(
+                group.pending, group.names, group.templates, group.specs, strict=True
+            ):
+                if not row.any():
+                    continue
+                arr = row.view(group.dtype).reshape(group.shape)
+                for dm in targets:
+                    dm.add([(name, "h", (tmpl, spec, arr))], source)
+            group.pending[...] = 0
+        self.dirty = False
+
+
+def plan_frames(head: Any) -> list[int] | None:
+    """The frame index of every item of a parsed delta head, or None if one is not a bin
+    array (whole objects, numbers, arrays go the ordinary way)."""
+    out = []
+    for item in head["items"]:
+        if item[1] != "h":
+            return None
+        out.append(int(item[3]))
+    return out

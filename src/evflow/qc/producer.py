@@ -51,6 +51,8 @@ from evflow.wire.messages import BadMessageCounter, MsgType, encode_message
 log = logging.getLogger("evflow.qc")
 
 QC_PROTOCOL = 1
+#: send time of a publication the socket did not take yet (high-water mark)
+_UNSENT = float("-inf")
 
 
 def take_payload(
@@ -143,8 +145,9 @@ class QcPublisher:
             "ts": time.time(),
         }
         frames = encode_message(MsgType.EVENTS, header, payload)
-        self.unacked[self.seq] = [frames, self.clock()]
-        self._send(frames)
+        entry = self.unacked[self.seq] = [frames, self.clock()]
+        if not self._send(frames):
+            entry[1] = _UNSENT  # the next service() tries again
         self.stats["sent"] += 1
         return self.seq
 
@@ -177,8 +180,11 @@ class QcPublisher:
         now = self.clock()
         for entry in self.unacked.values():
             if now - entry[1] >= self.resend_after_s:
+                unsent = entry[1] == _UNSENT
+                if not self._send(entry[0]):
+                    break  # the queue is full: the rest waits for the next call
                 entry[1] = now
-                if self._send(entry[0]):
+                if not unsent:
                     self.stats["resent"] += 1
 
     def wait_acked(self, timeout_s: float) -> bool:

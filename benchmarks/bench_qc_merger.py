@@ -295,7 +295,7 @@ def summarize(res: dict[str, Any]) -> tuple[float, float, float]:
 
 def bench_wire(quick: bool, tmp: Path) -> dict[str, Any]:
     res = run_setup(2, 1, n_hists=1000, period_s=0.0, duration_s=4 if quick else 10,
-                    window=32, cycle_s=0.2, tmp=tmp)  # fmt: skip
+                    window=64, cycle_s=0.1, tmp=tmp)  # fmt: skip
     cpu, rss0, rss1 = summarize(res)
     m = res["metrics"][res["bottom"][0]]
     print(

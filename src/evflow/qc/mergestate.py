@@ -217,6 +217,7 @@ class MergeState:
             return "dropped"
         state = self._task(task)
         try:
+            payload = split_payload(header, payload)
             if mode == "delta" and self._fast(state, task, src, payload):
                 items = None
             else:
@@ -586,6 +587,28 @@ class MergeState:
             for t, st in self.tasks.items()
             for n, o in st.integral.merged.items()
         }
+
+
+def split_payload(header: dict[Any, Any], payload: list[Any]) -> list[Any]:
+    """The frames of a payload whose bin arrays travel joined (header ``sizes``)."""
+    sizes = header.get("sizes")
+    if sizes is None:
+        return payload
+    if (
+        type(sizes) is not list
+        or len(payload) != 3
+        or not all(type(n) is int and n >= 0 for n in sizes)
+    ):
+        raise CodecError("QC payload with a bad 'sizes' list or frame count")
+    blob = memoryview(payload[2])
+    if sum(sizes) != blob.nbytes:
+        raise CodecError(f"QC payload of {blob.nbytes} bytes where 'sizes' add up to {sum(sizes)}")
+    out = [payload[0], payload[1]]
+    offset = 0
+    for n in sizes:
+        out.append(blob[offset : offset + n])
+        offset += n
+    return out
 
 
 def _check_header(h: dict[Any, Any]) -> tuple[str, str, int, int, int, int, str]:

@@ -51,6 +51,8 @@ from evflow.wire.messages import BadMessageCounter, MsgType, encode_message
 log = logging.getLogger("evflow.qc")
 
 QC_PROTOCOL = 1
+#: payloads of more bin arrays than this travel as one joined frame
+JOIN_MIN_FRAMES = 8
 #: send time of a publication the socket did not take yet (high-water mark)
 _UNSENT = float("-inf")
 
@@ -83,6 +85,18 @@ def take_payload(
     if mode == "delta":
         frames = encoder.take(objects) or []
     return [msgpack.packb(items), *frames]
+
+
+def join_payload(payload: list[bytes]) -> tuple[list[bytes], list[int] | None]:
+    """Many bin arrays as one frame (and their sizes, for the header's ``sizes``).
+
+    A zmq frame costs ~1 us on each side; 1000 histograms of 1 kB cost 1 ms as frames
+    and 0.05 ms as one joined buffer. Payloads of few frames are left alone.
+    """
+    if len(payload) <= JOIN_MIN_FRAMES + 2:
+        return payload, None
+    arrays = payload[2:]
+    return [payload[0], payload[1], b"".join(arrays)], [len(a) for a in arrays]
 
 
 class QcPublisher:
@@ -133,7 +147,7 @@ class QcPublisher:
     def publish(self, cycle: int, events: int, payload: list[bytes], mode: str = "delta") -> int:
         """Send one publication; it is kept until acknowledged. Returns its sequence number."""
         self.seq += 1
-        header = {
+        header: dict[str, Any] = {
             "qc": QC_PROTOCOL,
             "src": self.source,
             "task": self.task,
@@ -144,6 +158,9 @@ class QcPublisher:
             "mode": mode,
             "ts": time.time(),
         }
+        payload, sizes = join_payload(payload)
+        if sizes is not None:
+            header["sizes"] = sizes
         frames = encode_message(MsgType.EVENTS, header, payload)
         entry = self.unacked[self.seq] = [frames, self.clock()]
         if not self._send(frames):

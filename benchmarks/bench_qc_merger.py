@@ -301,7 +301,8 @@ def bench_wire(quick: bool, tmp: Path) -> dict[str, Any]:
     print(
         f"\nwire: one qc-merger process merged {res['merged_per_s']:,.0f} histograms of 1 kB/s "
         f"(batches of 1000, 2 producer processes); merger CPU {cpu:.0f} %, RSS "
-        f"{rss0:.0f} -> {rss1:.0f} MB, average_merge_time {m['average_merge_time']:.5f} ms"
+        f"{rss0:.0f} -> {rss1:.0f} MB, average_merge_time {m['average_merge_time']:.5f} ms; "
+        f"per merger CPU-second: {res['merged_per_s'] / max(cpu / 100, 1e-9):,.0f} merged"
     )
     return res
 

@@ -46,6 +46,8 @@ SIZES = {"1 kB": 126, "500 kB": 62_498, "5 MB": 624_998}
 BATCH = {"1 kB": 1000, "500 kB": 20, "5 MB": 4}
 THESIS_MS = {"1 kB": 0.012, "500 kB": 1.48, "5 MB": None}
 RUN = 1
+#: producers start and connect before the measurement starts
+WARMUP_S = 2.0
 
 
 def filled_payload(n_hists: int, bins: int) -> list[bytes]:
@@ -239,8 +241,11 @@ def run_setup(n_producers: int, n_mergers: int, *, n_hists: int, period_s: float
                 by_addr.setdefault(routes[src], []).append(src)
             for j, (addr, srcs) in enumerate(by_addr.items()):
                 sup.add_function(f"producers-{i}-{j}", producer_process, srcs, addr, sup.session,
-                                 n_hists, period_s, duration_s, hwm, window,
+                                 n_hists, period_s, duration_s + WARMUP_S, hwm, window,
                                  str(tmp / f"prod-{i}-{j}.json"))  # fmt: skip
+        warm = time.monotonic() + WARMUP_S  # every producer connected and publishing
+        while time.monotonic() < warm:
+            sup.poll(0.1)
         pids = {s.id: sup.processes[s.id].pid for s in specs}
         procs = {k: psutil.Process(p) for k, p in pids.items()}
         for p in procs.values():

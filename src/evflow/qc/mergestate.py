@@ -270,7 +270,7 @@ class MergeState:
             if len(state.plans) >= MAX_PLANS:
                 state.plans.clear()
             plan = state.plans[head] = StackPlan(items, frames_used)
-        plan.add(payload[1:])
+        plan.add(payload[1:], state.targets(), src)
         self.counters["merged_objects"] += plan.n_items
         return True
 

@@ -23,7 +23,7 @@ from evflow.processing.parallel.deltas import DeltaMerger
 
 #: plans kept per task (one per distinct set of filled histograms)
 MAX_PLANS = 64
-#: histograms of at least this many bytes are added one by one (joining them would copy)
+#: histograms of at least this many bytes are added one by one into the merged ones
 LARGE_BYTES = 64 * 1024
 
 
@@ -45,8 +45,15 @@ class _Group:
     def seal(self) -> None:
         flat = _flat_dtype(self.dtype)
         per_item = int(np.prod(self.shape)) * (len(self.dtype.names) if self.dtype.names else 1)
-        self.pending = np.zeros((len(self.names), per_item), dtype=flat)
-        self.nbytes = self.pending.nbytes
+        self.nbytes = len(self.names) * per_item * flat.itemsize
+        # large histograms are added straight into the merged ones (a second copy of
+        # megabytes of bins would only cost cache); small ones wait in one stack
+        rows = 0 if self.large else len(self.names)
+        self.pending = np.zeros((rows, per_item), dtype=flat)
+
+    @property
+    def large(self) -> bool:
+        return self.dtype.itemsize * int(np.prod(self.shape)) >= LARGE_BYTES
 
 
 def _flat_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
@@ -81,9 +88,9 @@ class StackPlan:
         self.n_items = len(decoded)
         self.dirty = False
 
-    def add(self, frames: Sequence[Any]) -> None:
-        """Add one delta's bins into the pending stacks (CodecError if they do not fit)."""
-        parts: list[tuple[_Group, list[np.ndarray]]] = []
+    def add(self, frames: Sequence[Any], targets: list[DeltaMerger], source: str) -> None:
+        """Add one delta's bins (CodecError, and nothing added, if they do not fit)."""
+        parts: list[tuple[_Group, list[Any]]] = []
         for group in self.groups:
             try:
                 raws = [frames[i] for i in group.frames]
@@ -92,24 +99,27 @@ class StackPlan:
             row_bytes = group.nbytes // len(group.names)
             if any(memoryview(raw).nbytes != row_bytes for raw in raws):
                 raise CodecError(f"delta bins of another size than the {row_bytes} bytes announced")
-            if row_bytes >= LARGE_BYTES:  # large: add each in place, no copy into one buffer
-                parts.append((group, [np.frombuffer(r, dtype=group.pending.dtype) for r in raws]))
-            else:  # small: one buffer, one addition for all of them
+            parts.append((group, raws))
+        for group, raws in parts:  # every size checked: add all
+            if group.large:
+                for raw, name, tmpl, spec in zip(
+                    raws, group.names, group.templates, group.specs, strict=True
+                ):
+                    arr = np.frombuffer(raw, dtype=group.dtype).reshape(group.shape)
+                    for dm in targets:
+                        dm.add([(name, "h", (tmpl, spec, arr))], source)
+            else:  # one buffer, one addition for all of them
                 joined = np.frombuffer(b"".join(raws), dtype=group.pending.dtype)
-                parts.append((group, [joined.reshape(group.pending.shape)]))
-        for group, arrays in parts:  # every size checked: add all
-            if len(arrays) == 1 and arrays[0].ndim == 2:
-                group.pending += arrays[0]
-            else:
-                for row, arr in zip(group.pending, arrays, strict=True):
-                    row += arr
-        self.dirty = True
+                group.pending += joined.reshape(group.pending.shape)
+                self.dirty = True
 
     def flush(self, targets: list[DeltaMerger], source: str) -> None:
         """Add the pending sums into the merged histograms and zero them."""
         if not self.dirty:
             return
         for group in self.groups:
+            if group.large:
+                continue
             for row, name, tmpl, spec in zip(
                 group.pending, group.names, group.templates, group.specs, strict=True
             ):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -416,6 +417,14 @@ def main() -> int:
     PLOTS.mkdir(exist_ok=True)
     import tempfile
 
+    if args.what == "all":  # each part in a fresh process: a forked merger must not
+        # inherit (and report as its RSS) the memory of the parts before it
+        for part in ("merge", "wire", "producers", "hwm"):
+            argv = [sys.executable, __file__, part, *(["--quick"] if args.quick else [])]
+            if args.json:
+                argv += ["--json", str(args.json.with_suffix(f".{part}.json"))]
+            subprocess.run(argv, check=True)
+        return 0
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     with tempfile.TemporaryDirectory(prefix="qcbench-") as tmpdir:
         tmp = Path(tmpdir)

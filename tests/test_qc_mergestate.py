@@ -307,3 +307,38 @@ def test_stacked_fast_path_drops_bad_frames_and_other_binning() -> None:
     assert out["a"].obj == ref.objects["a"] and out["b"].obj == ref.objects["b"]
     # the wrong one's other histograms have the right binning: they are merged
     assert out["big"].obj.sum() == 2 and out["w"].obj.sum().value == 1.0
+
+
+def test_joined_payloads_of_many_histograms_merge_exactly() -> None:
+    from evflow.qc.producer import join_payload
+
+    def message(p: Producer) -> tuple[dict[str, Any], list[Any]]:
+        header, payload = p.message()
+        joined, sizes = join_payload(payload)
+        assert sizes is not None and len(joined) == 3
+        return {**header, "sizes": sizes}, joined
+
+    state = MergeState("m", run=5)
+    ref = Producer("ref")
+    ref.objects = {f"h{k}": hist.Hist.new.Reg(8, 0, 1).Double() for k in range(12)}
+    producers = []
+    for i in range(2):
+        p = Producer(f"p{i}")
+        p.objects = {f"h{k}": hist.Hist.new.Reg(8, 0, 1).Double() for k in range(12)}
+        producers.append(p)
+    for rnd in range(3):
+        for i, p in enumerate(producers):
+            for k, h in p.objects.items():
+                x = (int(k[1:]) + rnd + i) / 16
+                h.fill(x)
+                ref.objects[k].fill(x)
+            assert state.accept(*message(p)) == "merged"
+    for h in producers[0].objects.values():
+        h.fill(0.5)  # never merged: both messages below are broken
+    header, joined = message(producers[0])
+    assert state.accept(header, [*joined[:2], joined[2][:-8]]) == "dropped"  # short blob
+    assert state.accept({**header, "seq": header["seq"] + 1, "sizes": [1]}, joined) == "dropped"
+    out = _final(state)
+    for k, h in ref.objects.items():
+        assert out[k].obj == h, k
+    assert state.dropped == {"garbage": 2}

@@ -217,12 +217,11 @@ class MergeState:
             return "dropped"
         state = self._task(task)
         try:
-            payload = split_payload(header, payload)
-            if mode == "delta" and self._fast(state, task, src, payload):
+            if mode == "delta" and self._fast(state, task, src, header, payload):
                 items = None
             else:
                 state.flush()
-                items = self._decode(task, src, payload)
+                items = self._decode(task, src, split_payload(header, payload))
         except CodecError as exc:
             self._drop("garbage", src, f"source {src!r}: undecodable QC payload ({exc})")
             source.mark(seq)  # a re-send would be the same bytes: never ask for it again
@@ -249,12 +248,19 @@ class MergeState:
             return "late"
         return "merged"
 
-    def _fast(self, state: TaskState, task: str, src: str, payload: list[Any]) -> bool:
+    def _fast(
+        self, state: TaskState, task: str, src: str, header: dict[Any, Any], payload: list[Any]
+    ) -> bool:
         """Merge a histograms-only delta through its stacked plan; False if it has none."""
         if len(payload) < 2 or bytes(payload[0]) != _NO_OBJECTS:
             return False
         head = bytes(payload[1])
         plan = state.plans.get(head)
+        if plan is not None and plan.contiguous and "sizes" in header and len(payload) == 3:
+            plan.add_joined(payload[2], header["sizes"])
+            self.counters["merged_objects"] += plan.n_items
+            return True
+        payload = split_payload(header, payload)
         if plan is None:
             try:
                 frames_used = plan_frames(msgpack.unpackb(head))

@@ -69,7 +69,7 @@ def _flat_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
 class StackPlan:
     """How to add the histograms of one delta head; see the module docstring."""
 
-    __slots__ = ("dirty", "groups", "n_items")
+    __slots__ = ("contiguous", "dirty", "groups", "n_items")
 
     def __init__(self, decoded: list[tuple[str, str, Any]], frames_used: list[int]) -> None:
         groups: dict[tuple[str, tuple[int, ...]], _Group] = {}
@@ -87,6 +87,30 @@ class StackPlan:
         self.groups = list(groups.values())
         self.n_items = len(decoded)
         self.dirty = False
+        # one stack whose frames follow each other: a joined payload is added as it came
+        only = self.groups[0] if len(self.groups) == 1 else None
+        self.contiguous = (
+            only is not None
+            and not only.large
+            and only.frames == list(range(only.frames[0], only.frames[0] + len(only.frames)))
+            and only.frames[0] == 1
+        )
+
+    def add_joined(self, blob: Any, sizes: Any) -> None:
+        """Add a payload whose bin arrays came joined in one buffer (``contiguous`` plans)."""
+        group = self.groups[0]
+        row_bytes = group.nbytes // len(group.names)
+        if (
+            type(sizes) is not list
+            or len(sizes) != len(group.names)
+            or sizes.count(row_bytes) != len(sizes)
+        ):
+            raise CodecError("joined delta 'sizes' do not match the histograms of its head")
+        view = memoryview(blob)
+        if view.nbytes != group.nbytes:
+            raise CodecError(f"joined delta bins of {view.nbytes} bytes, expected {group.nbytes}")
+        group.pending += np.frombuffer(view, dtype=group.pending.dtype).reshape(group.pending.shape)
+        self.dirty = True
 
     def add(self, frames: Sequence[Any], targets: list[DeltaMerger], source: str) -> None:
         """Add one delta's bins (CodecError, and nothing added, if they do not fit)."""

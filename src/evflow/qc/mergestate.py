@@ -20,53 +20,21 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
 from evflow.errors import CodecError, IncompatibleObjectsError, NotMergeableError
 from evflow.processing.parallel.deltas import DeltaMerger
-from evflow.qc.objects import (
-    check_compatible,
-    copy_object,
-    decode_object,
-    describe,
-    encode_object,
-    merge,
-)
+from evflow.qc.checkpoint import restore_state, state_to_bytes
+from evflow.qc.objects import check_compatible, copy_object, decode_object, describe, merge
 from evflow.qc.publication import PublishedObject, qc_path
+from evflow.qc.sources import SourceState, check_header, completeness_record, split_payload
 from evflow.qc.stacked import MAX_PLANS, StackPlan, plan_frames
 
-STATE_VERSION = 1
 #: merged sequence numbers kept above a source's contiguous ``upto`` (out-of-order re-sends)
 MAX_SEQ_GAP = 4096
-MAX_ID_LEN = 200
 _NO_OBJECTS = msgpack.packb([])
-
-
-@dataclass(slots=True)
-class SourceState:
-    task: str
-    upto: int = 0  # every seq <= upto was merged
-    extra: set[int] = field(default_factory=set)  # merged seqs above upto
-    events: int = 0
-    last_cycle: int = -1  # highest producer cycle merged
-    published_cycle: int = -1  # highest producer cycle already in a publication
-    ended: bool = False
-    upstream: dict[str, Any] | None = None  # a lower merger's completeness record
-
-    def merged(self, seq: int) -> bool:
-        return seq <= self.upto or seq in self.extra
-
-    def mark(self, seq: int) -> None:
-        self.extra.add(seq)
-        while self.upto + 1 in self.extra:
-            self.upto += 1
-            self.extra.discard(self.upto)
-
-    def ack(self) -> dict[str, Any]:
-        return {"upto": self.upto, "seqs": sorted(self.extra), "ended": self.ended}
 
 
 class TaskState:
@@ -195,9 +163,9 @@ class MergeState:
     def accept(self, header: dict[Any, Any], payload: list[Any]) -> str:
         """Merge one producer message; returns merged | duplicate | late | dropped."""
         try:
-            src, task, run, cycle, seq, events, mode = _check_header(header)
+            src, task, run, cycle, seq, events, mode = check_header(header)
         except CodecError as exc:
-            self._drop("bad_header", str(header.get("src", "?"))[:MAX_ID_LEN], str(exc))
+            self._drop("bad_header", str(header.get("src", "?"))[:200], str(exc))
             return "dropped"
         if not self._check_run(src, run):
             return "dropped"
@@ -378,45 +346,7 @@ class MergeState:
 
     # --- publishing ----------------------------------------------------------------------
     def completeness(self) -> dict[str, Any]:
-        ended = {s for s, st in self.sources.items() if st.ended}
-        known = set(self.sources)
-        if isinstance(self.expected, list):
-            expected: list[str] | int = sorted(self.expected)
-            n_expected = len(self.expected)
-            known |= set(self.expected)
-        else:
-            expected = self.expected
-            n_expected = self.expected
-        missing = known - self.seen_this_cycle - ended
-        record: dict[str, Any] = {
-            "seen": sorted(self.seen_this_cycle),
-            "expected": expected,
-            "missing": sorted(missing),
-            "ended": sorted(ended),
-            "events_by_source": {s: st.events for s, st in self.sources.items() if st.events},
-        }
-        upstream = [st.upstream for st in self.sources.values() if st.upstream]
-        if upstream:  # a merger of mergers: the producers' record, merged
-            record["mergers"] = {k: record[k] for k in ("seen", "expected", "missing", "ended")}
-            for key in ("seen", "missing", "ended"):
-                record[key] = sorted({s for up in upstream for s in up.get(key, [])})
-            record["missing"] = sorted(set(record["missing"]) | missing)
-            exp = [up.get("expected") for up in upstream]
-            if all(isinstance(e, list) for e in exp):
-                expected = sorted({s for e in exp for s in e})  # type: ignore[union-attr]
-                n_expected = len(expected)
-            else:
-                n_expected = sum(e if isinstance(e, int) else len(e) for e in exp)  # type: ignore[arg-type]
-                expected = n_expected
-            record["expected"] = expected
-            record["events_by_source"] = {
-                s: n for up in upstream for s, n in up.get("events_by_source", {}).items()
-            }
-        n_missing = len(record["missing"])
-        everyone = set(record["seen"]) | set(record["missing"]) | set(record["ended"])
-        total = max(n_expected, len(everyone))
-        record["fraction"] = 1.0 if total == 0 else round((total - n_missing) / total, 4)
-        return record
+        return completeness_record(self)
 
     def publish(self, final: bool = False, now: float | None = None) -> list[PublishedObject]:
         """Close a merger cycle: the objects to publish (copies: safe to keep)."""
@@ -517,75 +447,11 @@ class MergeState:
     # --- checkpoint ----------------------------------------------------------------------
     def to_bytes(self) -> bytes:
         """Everything a restarted merger needs to go on exactly where this one published."""
-
-        def enc(objs: dict[str, Any]) -> dict[str, bytes]:
-            return {n: encode_object(o) for n, o in objs.items()}
-
-        tasks = {}
-        for name, st in self.tasks.items():
-            st.flush()
-            tasks[name] = {
-                "integral": enc(st.integral.merged),
-                "events": st.integral_events,
-                "window": [[enc(objs), n] for objs, n in st.window],
-                "latest": {s: [n, enc(objs)] for s, (n, objs) in st.latest.items()},
-                "latest_seq": st.latest_seq,
-            }
-        sources = {
-            s: [
-                st.task,
-                st.upto,
-                sorted(st.extra),
-                st.events,
-                st.last_cycle,
-                st.published_cycle,
-                st.ended,
-                st.upstream,
-            ]
-            for s, st in self.sources.items()
-        }
-        return msgpack.packb(
-            {
-                "v": STATE_VERSION,
-                "id": self.merger_id,
-                "run": self.run,
-                "cycle": self.cycle,
-                "sequence": self.sequence,
-                "resets": self.resets,
-                "tasks": tasks,
-                "sources": sources,
-                "counters": self.counters,
-                "dropped": self.dropped,
-            }
-        )
+        return state_to_bytes(self)
 
     def restore(self, data: bytes) -> None:
         """Load a checkpoint of ``to_bytes`` (CodecError if it is not one)."""
-        try:
-            d = msgpack.unpackb(data, strict_map_key=False)
-            if d.get("v") != STATE_VERSION:
-                raise CodecError(f"merger checkpoint of version {d.get('v')!r}")
-            self.run, self.cycle, self.sequence = d["run"], d["cycle"], d["sequence"]
-            self.resets = d["resets"]
-            self.counters.update(d["counters"])
-            self.dropped.update(d["dropped"])
-            for name, t in d["tasks"].items():
-                st = self._task(name)
-                st.integral.merged.update({n: decode_object(b) for n, b in t["integral"].items()})
-                st.integral_events = t["events"]
-                for objs, n in t["window"]:
-                    st.window.append(({k: decode_object(b) for k, b in objs.items()}, n))
-                st.latest = {
-                    s: (n, {k: decode_object(b) for k, b in objs.items()})
-                    for s, (n, objs) in t["latest"].items()
-                }
-                st.latest_seq = dict(t["latest_seq"])
-            for s, (task, upto, extra, events, last, pub, ended, up) in d["sources"].items():
-                self.sources[s] = SourceState(task, upto, set(extra), events, last, pub, ended, up)
-        except CodecError:
-            raise
-        except Exception as exc:
-            raise CodecError(f"not a merger checkpoint: {type(exc).__name__}: {exc}") from None
+        restore_state(self, data)
 
     def describe_objects(self) -> dict[str, str]:
         return {
@@ -593,50 +459,3 @@ class MergeState:
             for t, st in self.tasks.items()
             for n, o in st.integral.merged.items()
         }
-
-
-def split_payload(header: dict[Any, Any], payload: list[Any]) -> list[Any]:
-    """The frames of a payload whose bin arrays travel joined (header ``sizes``)."""
-    sizes = header.get("sizes")
-    if sizes is None:
-        return payload
-    if (
-        type(sizes) is not list
-        or len(payload) != 3
-        or not all(type(n) is int and n >= 0 for n in sizes)
-    ):
-        raise CodecError("QC payload with a bad 'sizes' list or frame count")
-    blob = memoryview(payload[2])
-    if sum(sizes) != blob.nbytes:
-        raise CodecError(f"QC payload of {blob.nbytes} bytes where 'sizes' add up to {sum(sizes)}")
-    out = [payload[0], payload[1]]
-    offset = 0
-    for n in sizes:
-        out.append(blob[offset : offset + n])
-        offset += n
-    return out
-
-
-def _check_header(h: dict[Any, Any]) -> tuple[str, str, int, int, int, int, str]:
-    def get(key: str, kind: type) -> Any:
-        v = h.get(key)
-        if type(v) is not kind:
-            raise CodecError(f"QC delta header field {key!r} is {v!r:.40}")
-        return v
-
-    src, task = get("src", str), get("task", str)
-    if not src or len(src) > MAX_ID_LEN or not task or len(task) > MAX_ID_LEN:
-        raise CodecError(f"QC delta header: bad source {src!r:.60} or task {task!r:.60}")
-    run, cycle, seq, events = (
-        get("run", int),
-        get("cycle", int),
-        get("seq", int),
-        get("events", int),
-    )
-    mode = get("mode", str)
-    if seq < 1 or cycle < 0 or events < 0 or mode not in ("delta", "full"):
-        raise CodecError(
-            f"QC delta header from {src!r}: seq {seq}, cycle {cycle}, events {events}, "
-            f"mode {mode!r} out of range"
-        )
-    return src, task, run, cycle, seq, events, mode

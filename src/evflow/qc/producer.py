@@ -136,6 +136,8 @@ class QcPublisher:
         self.unacked: collections.OrderedDict[int, list[Any]] = collections.OrderedDict()
         self.stats = {"sent": 0, "resent": 0, "acked": 0, "would_block": 0, "refused": 0}
         self.end_acked = False
+        self._unsent: collections.deque[int] = collections.deque()
+        self._next_scan_s = 0.0
         self._bad = BadMessageCounter(f"qc producer {source}")
 
     def __repr__(self) -> str:
@@ -163,8 +165,10 @@ class QcPublisher:
             header["sizes"] = sizes
         frames = encode_message(MsgType.EVENTS, header, payload)
         entry = self.unacked[self.seq] = [frames, self.clock()]
-        if not self._send(frames):
-            entry[1] = _UNSENT  # the next service() tries again
+        # behind what the socket refused before, or refused now: service() sends it
+        if self._unsent or not self._send(frames):
+            entry[1] = _UNSENT
+            self._unsent.append(self.seq)
         self.stats["sent"] += 1
         return self.seq
 
@@ -195,14 +199,22 @@ class QcPublisher:
             if h.get("end") is True:
                 self.end_acked = True
         now = self.clock()
+        while self._unsent:  # in order, until the socket refuses again
+            entry = self.unacked.get(self._unsent[0])
+            if entry is not None:
+                if not self._send(entry[0]):
+                    return
+                entry[1] = now
+            self._unsent.popleft()
+        if now < self._next_scan_s:  # a scan of every kept publication, a few times a second
+            return
+        self._next_scan_s = now + min(0.1, self.resend_after_s / 4)
         for entry in self.unacked.values():
             if now - entry[1] >= self.resend_after_s:
-                unsent = entry[1] == _UNSENT
                 if not self._send(entry[0]):
-                    break  # the queue is full: the rest waits for the next call
+                    break  # the queue is full: the rest waits for the next scan
                 entry[1] = now
-                if not unsent:
-                    self.stats["resent"] += 1
+                self.stats["resent"] += 1
 
     def wait_acked(self, timeout_s: float) -> bool:
         """Until every publication is acknowledged (re-sending), or ``timeout_s``."""

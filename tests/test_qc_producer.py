@@ -1,0 +1,100 @@
+"""QcTask against a real merger (in a thread): credits, held cycles, full mode, cycle changes."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from evflow.processing.datastore import RunMeta
+from evflow.qc.merger import QcMerger
+from evflow.qc.publication import PublishedObject
+from evflow.transport.channel import parse_channel_config
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_qc_layers import RUN, Detector, assert_equal_objects, event, reference
+
+SESSION = "qctask"
+
+
+@pytest.fixture
+def merger() -> Iterator[tuple[QcMerger, list[PublishedObject]]]:
+    pubs: list[PublishedObject] = []
+    dev = QcMerger(
+        "qc-merger",
+        parse_channel_config("name=qc-in,type=router,method=bind,address=ipc://qct"),
+        session=SESSION, cycle_s=0.5, inputs=1, run_number=RUN, on_publish=[pubs.append],
+    )  # fmt: skip
+    thread = threading.Thread(target=dev.run)
+    thread.start()
+    try:
+        yield dev, pubs
+    finally:
+        dev.request_shutdown()
+        thread.join(20)
+        assert not thread.is_alive()
+
+
+def final_of(pubs: list[PublishedObject]) -> dict[str, PublishedObject]:
+    return {p.name: p for p in pubs if p.metadata["final"]}
+
+
+def test_no_credit_holds_cycles_in_the_objects_and_loses_nothing(
+    merger: tuple[QcMerger, list[PublishedObject]],
+) -> None:
+    _, pubs = merger
+    task = Detector(name="det", merger="ipc://qct", session=SESSION, cycle_s=0.005,
+                    source="slowpoke", max_unacked=2, resend_after_s=5.0)  # fmt: skip
+    task.initialize()
+    task.begin_run(RunMeta(0, RUN))
+    most_unacked = 0
+    n = 0
+    deadline = time.monotonic() + 1.5  # three merger cycles: acknowledgements every 0.5 s
+    while time.monotonic() < deadline:
+        task.event(event(n))
+        n += 1
+        assert task.publisher is not None
+        most_unacked = max(most_unacked, len(task.publisher.unacked))
+        time.sleep(0.0005)
+    task.end_run(RunMeta(0, RUN))
+    stats = task.statistics()
+    task.terminate()
+    assert most_unacked <= 2
+    assert stats["held_cycles"] > 0  # credits ran out: cycles were held, not queued
+    assert stats["unacked"] == 0
+    final = final_of(pubs)
+    assert_equal_objects(final, reference(list(range(n))))
+    assert final["h1"].event_count == n
+
+
+def test_full_mode_publishes_whole_objects_that_replace_each_other(
+    merger: tuple[QcMerger, list[PublishedObject]],
+) -> None:
+    _, pubs = merger
+    task = Detector(name="det", merger="ipc://qct", session=SESSION, cycle_s=0.02,
+                    mode="full", source="whole")  # fmt: skip
+    task.initialize()
+    task.begin_run(RunMeta(0, RUN))
+    for i in range(600):
+        task.event(event(i))
+        if i % 100 == 99:
+            time.sleep(0.03)
+    task.end_run(RunMeta(0, RUN))
+    assert task.publisher is not None and task.publisher.seq > 3
+    task.terminate()
+    final = final_of(pubs)
+    assert_equal_objects(final, reference(list(range(600))))
+    assert final["h1"].event_count == 600
+
+
+def test_set_cycle_s_changes_the_cycle_during_the_run() -> None:
+    task = Detector(name="det", cycle_s=100.0)
+    task.initialize()
+    with pytest.raises(ValueError, match="must be > 0"):
+        task.set_cycle_s(0)
+    task.set_cycle_s(0.5)
+    assert task._cycle_s == 0.5

@@ -34,6 +34,7 @@ import numpy as np
 import psutil
 import zmq
 
+from evflow.errors import TimeoutError_
 from evflow.processing.parallel.deltas import DeltaEncoder
 from evflow.qc.layers import build_layers, launch_layers, layer_layout
 from evflow.qc.mergestate import MergeState
@@ -209,8 +210,14 @@ def producer_process(sources: list[str], address: str, session: str, n_hists: in
 
 
 def metrics_of(controller: BusController, node: str) -> dict[str, Any]:
-    (reply,) = controller.request("get-metrics", node, timeout_s=5)
-    return reply["data"]  # type: ignore[no-any-return]
+    for attempt in range(3):  # a loaded machine can starve a merger for seconds
+        try:
+            (reply,) = controller.request("get-metrics", node, timeout_s=10)
+            return reply["data"]  # type: ignore[no-any-return]
+        except TimeoutError_:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 def run_setup(n_producers: int, n_mergers: int, *, n_hists: int, period_s: float,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -433,6 +434,8 @@ def main() -> int:
             subprocess.run(argv, check=True)
         return 0
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    print(f"{args.what}: {results['date']}, load average {os.getloadavg()[0]:.1f} "
+          f"on {os.cpu_count()} cores")  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="qcbench-") as tmpdir:
         tmp = Path(tmpdir)
         if args.what in ("merge", "all"):

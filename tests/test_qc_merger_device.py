@@ -100,3 +100,23 @@ def test_exec_merger_reports_qc_metrics_and_survives_garbage(tmp_path: Path) -> 
         sup.shutdown()
         sup.close()
         context.term()
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "evflow", "device", "qc-merger", "--id", "m", "--session", "bad",
+         "--severity", "error", *args],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_bad_channel_type_and_corrupt_checkpoint_are_one_clear_error(tmp_path: Path) -> None:
+    out = run_cli("--channel-config", "name=qc-in,type=pull,method=bind,address=ipc://m-in")
+    assert out.returncode == 1
+    assert "channel 'qc-in' must be a router" in out.stderr
+    state = tmp_path / "m.state"
+    state.write_bytes(b"\x00garbage")
+    router = "name=qc-in,type=router,method=bind,address=ipc://m-in"
+    out = run_cli("--state-file", str(state), "--channel-config", router)
+    assert out.returncode == 1
+    assert f"checkpoint {state} cannot be read" in out.stderr and "remove it" in out.stderr

@@ -405,6 +405,7 @@ class MergeState:
             self.resets += 1
             for state in self.tasks.values():
                 state.integral, state.integral_events = DeltaMerger(), 0
+                state.checked.clear()
         return out
 
     def _pub(

@@ -259,9 +259,9 @@ def run_setup(n_producers: int, n_mergers: int, *, n_hists: int, period_s: float
         procs = {k: psutil.Process(p) for k, p in pids.items()}
         for p in procs.values():
             p.cpu_percent()
-        t0 = time.monotonic()
         first = {s.id: metrics_of(controller, s.id)["qc"]["merged_objects"] for s in bottom}
-        while time.monotonic() - t0 < duration_s:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < duration_s or not samples:
             sup.poll(0.5)
             samples.append({
                 "t": round(time.monotonic() - t0, 2),
@@ -321,8 +321,8 @@ def bench_wire(quick: bool, tmp: Path) -> dict[str, Any]:
     return res
 
 
-def bench_producers(quick: bool, tmp: Path) -> dict[str, Any]:
-    counts = [2, 10, 50, 100, 250, 500] if not quick else [2, 50, 500]
+def bench_producers(quick: bool, tmp: Path, only_mergers: bool = False) -> dict[str, Any]:
+    counts = [] if only_mergers else [2, 10, 50, 100, 250, 500] if not quick else [2, 50, 500]
     duration = 4 if quick else 10
     out: dict[str, Any] = {"by_producers": [], "by_mergers": []}
     print("\n| producers | objects/s offered | merged objects/s | merger CPU | RSS start -> end |")
@@ -354,6 +354,12 @@ def plot_producers(out: dict[str, Any]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if out["by_producers"]:
+        plot_by_producers(out, plt)
+    plot_by_mergers(out, plt)
+
+
+def plot_by_producers(out: dict[str, Any], plt: Any) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for res in out["by_producers"]:
         k = res["bottom"][0]
@@ -373,6 +379,9 @@ def plot_producers(out: dict[str, Any]) -> None:
     fig.tight_layout()
     fig.savefig(PLOTS / "qc_producers.png", dpi=110)
     plt.close(fig)
+
+
+def plot_by_mergers(out: dict[str, Any], plt: Any) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for res in out["by_mergers"]:
         k = max(res["bottom"], key=lambda b: statistics.mean(s[b]["cpu"] for s in res["samples"]))
@@ -417,8 +426,8 @@ def bench_hwm(quick: bool, tmp: Path) -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", nargs="?", default="all",
-                        choices=("merge", "wire", "producers", "hwm", "all"))  # fmt: skip
+    parts = ("merge", "wire", "producers", "mergers", "hwm", "all")
+    parser.add_argument("what", nargs="?", default="all", choices=parts)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", type=Path, default=None, help="write the raw results here")
     args = parser.parse_args()
@@ -442,8 +451,8 @@ def main() -> int:
             results["merge"] = bench_merge(args.quick)
         if args.what in ("wire", "all"):
             results["wire"] = bench_wire(args.quick, tmp)
-        if args.what in ("producers", "all"):
-            results["producers"] = bench_producers(args.quick, tmp)
+        if args.what in ("producers", "mergers", "all"):
+            results["producers"] = bench_producers(args.quick, tmp, args.what == "mergers")
         if args.what in ("hwm", "all"):
             results["hwm"] = bench_hwm(args.quick, tmp)
     if args.json:

@@ -182,7 +182,7 @@ def run_topology(
             )
         if kill is not None:
             results.collect(sup, lambda: results.count >= 8, 30)
-            target = "prod-0" if kill == "producer" else specs[0].id
+            target = {"producer": "prod-0", "merger": specs[0].id, "top": specs[-1].id}[kill]
             sup.kill(target, signal.SIGKILL)
         names = ["h1", "h2", "h3", "hn"] + ([] if hists_only else ["count", "rows", "sums"])
         results.collect(sup, lambda: all(n in results.final for n in names), 90)
@@ -217,6 +217,15 @@ def test_merger_killed_mid_run_resumes_exactly_once(tmp_path: Path, hists_only: 
     assert len(merger.pids) == 2  # it was restarted once
     assert_equal_objects(final, reference(list(range(n_events)), hists_only))
     assert final["h1"].event_count == n_events
+
+
+def test_top_merger_of_two_layers_killed_mid_run_resumes(tmp_path: Path) -> None:
+    n_events, p = 4000, 4
+    final, sup, _ = run_topology(tmp_path, p, n_events, [2, 1], kill="top", hists_only=True)
+    assert len(sup.processes["qc-merger-1-0"].pids) == 2
+    assert_equal_objects(final, reference(list(range(n_events)), hists_only=True))
+    assert final["h1"].event_count == n_events
+    assert final["h1"].completeness["ended"] == [f"prod-{j}" for j in range(p)]
 
 
 def test_producer_killed_mid_run_counts_what_it_published(tmp_path: Path) -> None:

@@ -80,6 +80,7 @@ class QcMerger(Device):
         self._backlog = 0
         self._overloaded = False
         self._late_publications = 0
+        self._final_frames: list[list[bytes]] = []
 
     # --- set-up --------------------------------------------------------------------------
     def init_task(self) -> None:
@@ -259,6 +260,8 @@ class QcMerger(Device):
                     log.exception("%s: on_publish callback %r failed", self.id, callback)
             if self._outs:
                 frames = encode_publication(pub, self.id)
+                if final:
+                    self._final_frames.append(frames)
                 for ch in self._outs:
                     try:
                         ch.send(frames, zmq.NOBLOCK)
@@ -279,20 +282,34 @@ class QcMerger(Device):
 
     def post_run(self) -> None:
         self._publish(final=True)
-        for i, ch in enumerate(self._outs):
-            end = encode_message(MsgType.END, {"from": self.id, "count": self.qc.sequence, "qc": 1})
+        end = encode_message(MsgType.END, {"from": self.id, "count": self.qc.sequence, "qc": 1})
+        for ch in self._outs:
+            if ch.type in BIDIRECTIONAL:  # an upper merger: END until it is acknowledged
+                self._end_upstream(ch, end)
+                continue
             try:
                 ch.send(end, zmq.NOBLOCK)
             except zmq.Again:
                 log.error("%s: END on %s not sent (queue full)", self.id, ch.label)
-                continue
-            if ch.type in BIDIRECTIONAL:
-                self._wait_end_ack(i)
 
-    def _wait_end_ack(self, index: int) -> None:
-        ch = self._outs[index]
+    def _end_upstream(self, ch: Any, end: list[bytes]) -> None:
+        """Send END, and again with the final publications every second, until an ACK.
+
+        An upper merger killed and restarted meanwhile resumes from a checkpoint that may
+        predate our final publications; re-sending them is harmless (it keeps the
+        latest per source), losing them would not be.
+        """
         deadline = time.monotonic() + self.ack_timeout_s
+        next_send = 0.0
+        first = True
         while time.monotonic() < deadline:
+            if time.monotonic() >= next_send:
+                frames = [] if first else self._final_frames
+                for msg in [*frames, end]:
+                    with contextlib.suppress(zmq.Again):
+                        ch.send(msg, zmq.NOBLOCK)
+                first = False
+                next_send = time.monotonic() + 1.0
             if ch.poll(50):
                 msg = self._bad.decode(ch.recv())
                 if msg is not None and msg.type is MsgType.ACK and msg.header.get("end"):

@@ -98,3 +98,38 @@ def test_set_cycle_s_changes_the_cycle_during_the_run() -> None:
         task.set_cycle_s(0)
     task.set_cycle_s(0.5)
     assert task._cycle_s == 0.5
+
+
+def test_a_merger_that_cannot_keep_up_reports_it_and_producers_hold_back() -> None:
+    import zmq
+
+    from evflow.qc.producer import QcPublisher
+
+    dev = QcMerger(
+        "slow-merger",
+        parse_channel_config("name=qc-in,type=router,method=bind,address=ipc://qcslow"),
+        session=SESSION, cycle_s=0.3, run_number=RUN, drain_max=1,
+    )  # fmt: skip
+    thread = threading.Thread(target=dev.run)
+    thread.start()
+    context: zmq.Context[object] = zmq.Context()
+    pubs = [QcPublisher(context, "ipc://qcslow", source=f"flood-{i}", task="t", run=RUN,
+                        session=SESSION, max_unacked=50) for i in range(4)]  # fmt: skip
+    try:
+        overloaded = False
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not overloaded:
+            for pub in pubs:
+                pub.service()
+                if pub.has_credit():
+                    pub.publish(1, 1, [b"\x90"])  # an empty delta: only the bookkeeping
+            overloaded = dev.metrics()["receive_buffer_overloaded"]
+        assert overloaded  # it read its drain limit and the socket still had more
+        assert all(len(p.unacked) <= 50 for p in pubs)  # credits bound what waits
+    finally:
+        for pub in pubs:
+            pub.close()
+        context.term()
+        dev.request_shutdown()
+        thread.join(20)
+    assert dev.qc.counters["deltas"] > 0

@@ -164,8 +164,8 @@ def run_topology(
     results = Results(context, sup.session)
     try:
         inputs = {}
-        if kill == "producer":  # the killed one never ends: wait for the others
-            inputs = {"inputs": p - 1}
+        if kill == "producer":  # the killed one never ends: it is gone after 1 s of silence
+            inputs = {"source_timeout_s": 1.0}
         launch_layers(sup, specs[:-1], state_dir=tmp_path, cycle_s=0.1, run_number=RUN)
         launch_layers(
             sup,

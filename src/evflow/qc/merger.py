@@ -59,6 +59,9 @@ class QcMerger(Device):
     max_sources = Param(int, 10_000, "sources accepted at most")
     drain_max = Param(int, 2000, "messages read before the clock is checked")
     ack_timeout_s = Param(float, 10.0, "how long to wait for the END ACK downstream (s)")
+    source_timeout_s = Param(
+        float, 0.0, "a source silent this long counts as gone for `inputs` (0 = never)"
+    )
 
     def __init__(
         self,
@@ -81,6 +84,8 @@ class QcMerger(Device):
         self._overloaded = False
         self._late_publications = 0
         self._final_frames: list[list[bytes]] = []
+        self._last_seen: dict[str, float] = {}
+        self._gone: set[str] = set()
 
     # --- set-up --------------------------------------------------------------------------
     def init_task(self) -> None:
@@ -181,7 +186,24 @@ class QcMerger(Device):
         return True
 
     def _ended(self) -> int:
-        return sum(1 for s in self.qc.sources.values() if s.ended)
+        """Sources that said END, plus those silent for ``source_timeout_s`` (gone)."""
+        ended = sum(1 for s in self.qc.sources.values() if s.ended)
+        if self.source_timeout_s > 0:
+            limit = time.monotonic() - self.source_timeout_s
+            gone = [
+                src
+                for src, seen in self._last_seen.items()
+                if seen < limit and not self.qc.sources[src].ended
+            ]
+            for src in gone:
+                if src not in self._gone:
+                    self._gone.add(src)
+                    log.error(
+                        "%s: source %r silent for %.1f s: counted as gone (it stays 'missing')",
+                        self.id, src, self.source_timeout_s,
+                    )  # fmt: skip
+            ended += len(gone)
+        return ended
 
     def _handle(self, frames: list[Any]) -> None:
         if len(frames) < 2:
@@ -222,6 +244,7 @@ class QcMerger(Device):
         elif src in self.qc.sources:
             self._identities[src] = identity
             self._touched.add(src)
+            self._last_seen[src] = time.monotonic()
         self._report()
 
     def _on_publication(self, identity: bytes, msg: Message) -> None:
@@ -232,7 +255,8 @@ class QcMerger(Device):
             self._report()
             return
         t0 = time.perf_counter()
-        self.qc.accept_publication(src, pub)
+        if self.qc.accept_publication(src, pub) != "dropped":
+            self._last_seen[src] = time.monotonic()
         self._merge_s += time.perf_counter() - t0
         self._identities[src] = identity
         self._report()

@@ -330,9 +330,10 @@ class QcTask(Module):
     def end_run(self, run: RunMeta) -> None:
         if self.publisher is None:
             return
+        deadline = time.monotonic() + self.finish_timeout_s  # one budget for all of it
         self.publisher.wait_acked(self.finish_timeout_s)  # credit for the last one
         self.publish_cycle(force=True)
-        self.publisher.finish(self.finish_timeout_s)
+        self.publisher.finish(max(0.1, deadline - time.monotonic()))
 
     def terminate(self) -> None:
         if self.publisher is not None:

@@ -14,6 +14,7 @@ from evflow.processing.datastore import RunMeta
 from evflow.qc.merger import QcMerger
 from evflow.qc.publication import PublishedObject
 from evflow.transport.channel import parse_channel_config
+from evflow.transport.paths import remove_session_files
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_qc_layers import RUN, Detector, assert_equal_objects, event, reference
@@ -133,3 +134,23 @@ def test_a_merger_that_cannot_keep_up_reports_it_and_producers_hold_back() -> No
         dev.request_shutdown()
         thread.join(20)
     assert dev.qc.counters["deltas"] > 0
+
+
+def test_an_unreachable_merger_delays_the_end_of_the_run_by_finish_timeout_only(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    task = Detector(name="det", merger="ipc://nobody-listens", session=SESSION, cycle_s=0.01,
+                    finish_timeout_s=0.5)  # fmt: skip
+    task.initialize()
+    task.begin_run(RunMeta(0, RUN))
+    for i in range(50):
+        task.event(event(i))
+    t0 = time.monotonic()
+    task.end_run(RunMeta(0, RUN))
+    took_s = time.monotonic() - t0
+    stats = task.statistics()
+    task.terminate()
+    remove_session_files(SESSION)  # the connecting socket made the session directory
+    assert took_s < 0.5 + 1.5  # the budget, plus at most one END re-send period
+    assert stats["unacked"] >= 1 and stats["acked"] == 0
+    assert "not acknowledged within" in caplog.text

@@ -30,7 +30,7 @@ from evflow.qc.checkpoint import restore_state, state_to_bytes
 from evflow.qc.objects import check_compatible, copy_object, decode_object, describe, merge
 from evflow.qc.publication import PublishedObject, qc_path
 from evflow.qc.sources import SourceState, check_header, completeness_record, split_payload
-from evflow.qc.stacked import MAX_PLANS, StackPlan, plan_frames
+from evflow.qc.stacked import PlanIndex, StackPlan, plan_frames
 
 #: merged sequence numbers kept above a source's contiguous ``upto`` (out-of-order re-sends)
 MAX_SEQ_GAP = 4096
@@ -53,7 +53,7 @@ class TaskState:
         # name -> (spec, id of the merged object) of the last delta found compatible
         self.checked: dict[str, tuple[bytes, int]] = {}
         # delta head -> its stacked plan (the fast path of batched histogram deltas)
-        self.plans: dict[bytes, StackPlan] = {}
+        self.plans = PlanIndex()
 
     def targets(self) -> list[DeltaMerger]:
         return [self.integral] if self.cycle is None else [self.integral, self.cycle]
@@ -61,7 +61,7 @@ class TaskState:
     def flush(self) -> None:
         """Add what the stacked plans hold into the merged objects."""
         targets = self.targets()
-        for plan in self.plans.values():
+        for plan in self.plans.plans():
             plan.flush(targets, "a producer")
 
     def names(self) -> list[str]:
@@ -222,8 +222,7 @@ class MergeState:
         """Merge a histograms-only delta through its stacked plan; False if it has none."""
         if len(payload) < 2 or bytes(payload[0]) != _NO_OBJECTS:
             return False
-        head = bytes(payload[1])
-        plan = state.plans.get(head)
+        plan = state.plans.find(payload[1])
         if plan is not None and plan.contiguous and "sizes" in header and len(payload) == 3:
             plan.add_joined(payload[2], header["sizes"])
             self.counters["merged_objects"] += plan.n_items
@@ -231,7 +230,7 @@ class MergeState:
         payload = split_payload(header, payload)
         if plan is None:
             try:
-                frames_used = plan_frames(msgpack.unpackb(head))
+                frames_used = plan_frames(msgpack.unpackb(payload[1]))
             except Exception:
                 return False  # the ordinary path says what is wrong with it
             if frames_used is None:
@@ -241,9 +240,8 @@ class MergeState:
             if len(items) != len(frames_used):
                 self._merge_delta(state, src, items)  # some were dropped: no plan for it
                 return True
-            if len(state.plans) >= MAX_PLANS:
-                state.plans.clear()
-            plan = state.plans[head] = StackPlan(items, frames_used)
+            plan = StackPlan(items, frames_used)
+            state.plans.add(payload[1], plan)  # (flushed above: clearing loses nothing)
         plan.add(payload[1:], state.targets(), src)
         self.counters["merged_objects"] += plan.n_items
         return True
@@ -264,7 +262,12 @@ class MergeState:
         except Exception as exc:
             raise CodecError(f"{type(exc).__name__}: {exc}") from None
         if len(payload) > 1:
-            items.extend(self._task(task).integral.decode(payload[1:]))
+            integral = self._task(task).integral
+            items.extend(integral.decode(payload[1:]))
+            # DeltaMerger keeps up to 1024 parsed heads; a head of 1000 histograms is
+            # ~1.3 MB, so keep few here (plans cache what the fast path needs)
+            if len(integral._plans) > 16:
+                integral._plans.clear()
         state = self._task(task)
         merged = state.integral.merged
         checked = state.checked

@@ -137,3 +137,16 @@ def count_interrupts() -> None:
     """
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _counting_int_handler)
+
+
+# --- online quality control ----------------------------------------------------------
+class QcError(EvflowError):
+    """A QC object that cannot be merged or published."""
+
+
+class IncompatibleObjectsError(QcError):
+    """Two QC objects of one name that cannot be merged (type, binning, columns)."""
+
+
+class NotMergeableError(QcError):
+    """A QC object of a kind that has no merge (``+=``) at all."""

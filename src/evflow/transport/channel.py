@@ -44,6 +44,7 @@ from evflow.transport.channel_config import (
     parse_channel_config,
     validate,
 )
+from evflow.transport.curve import CurveOptions, CurveSecurity
 from evflow.transport.paths import ipc_listening
 
 __all__ = [
@@ -109,6 +110,10 @@ class Channel:
         self.bytes_in = 0
         self.bytes_out = 0
         self.closed = False
+        #: raw framing: messages are bare frames (FairMQ), see channel_config.FRAMINGS
+        self.raw = config.framing == "raw"
+        #: CURVE on this socket (None without), closed with the channel
+        self.security: CurveSecurity | None = None
         # frames received as bytes: [identity,] type, header
         self._copy_frames = 3 if config.type == "router" else 2
 
@@ -181,6 +186,8 @@ class Channel:
             return
         self.closed = True
         linger = self.config.linger if linger_ms is None else linger_ms
+        if self.security is not None:
+            self.security.close()
         with contextlib.suppress(zmq.ZMQError):
             self.socket.close(linger=linger)
         for path in self._ipc_files:
@@ -214,10 +221,18 @@ def open_channel(
     cannot be bound/connected; the socket is closed again on any failure.
     """
     validate(config)
+    security = None
+    if config.curve:
+        opts = CurveOptions(
+            config.curve, config.curveSecretKey, config.curveServerKey, config.curveAllow
+        )
+        security = CurveSecurity(f"{config.name}[{index}]", opts)  # loads and checks keys
     sock = context.socket(SOCKET_TYPES[config.type])
     ipc_files: list[Path] = []
     endpoints: list[str] = []
     try:
+        if security is not None:
+            security.apply(sock, context)
         sock.setsockopt(zmq.LINGER, config.linger)
         sock.setsockopt(zmq.SNDHWM, config.sndBufSize)
         sock.setsockopt(zmq.RCVHWM, config.rcvBufSize)
@@ -260,12 +275,15 @@ def open_channel(
             if ipc_file is not None:
                 ipc_files.append(ipc_file)
     except BaseException:
+        if security is not None:
+            security.close()
         sock.close(linger=0)
         for path in ipc_files:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
         raise
     channel = Channel(config, index, sock, endpoints, ipc_files)
+    channel.security = security
     log.debug("opened %r", channel)
     return channel
 

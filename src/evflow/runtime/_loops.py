@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from evflow.runtime.framing import incoming
 from evflow.transport.channel import Channel
 from evflow.wire.messages import BadMessageCounter, Message, MsgType, encode_message
 
@@ -102,7 +103,7 @@ def data_loop(dev: Device) -> None:
                         continue
                     origin = Origin(ch, frames[0])
                     frames = frames[1:]
-                msg = bad.decode(frames)
+                msg = incoming(ch, frames, bad)
                 if msg is None:
                     if ch.type == "rep":  # REP must answer before it can receive again
                         ch.send(encode_message(MsgType.REPLY, {"error": "bad message"}))

@@ -114,8 +114,10 @@ class Channel:
         self.raw = config.framing == "raw"
         #: CURVE on this socket (None without), closed with the channel
         self.security: CurveSecurity | None = None
-        # frames received as bytes: [identity,] type, header
-        self._copy_frames = 3 if config.type == "router" else 2
+        # frames received as bytes: [identity,] type, header (raw: only the identity)
+        self._copy_frames = (
+            (1 if self.raw else 3) if config.type == "router" else (0 if self.raw else 2)
+        )
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else ",".join(self.endpoints)
@@ -145,11 +147,11 @@ class Channel:
 
         The routing identity (ROUTER), the type and the header frames come as bytes
         (cheap for small frames, and what the decoder wants); payload frames come as
-        ``zmq.Frame`` without a copy.
+        ``zmq.Frame`` without a copy (on a raw channel, every frame but the identity).
         """
         sock = self.socket
         getsockopt = sock.getsockopt
-        first = sock.recv(flags)
+        first: Any = sock.recv(flags, copy=self._copy_frames > 0)
         frames: list[Any] = [first]
         nbytes = len(first)
         copied = 1

@@ -1,0 +1,204 @@
+"""One hop sampler -> sink over tcp between two namespace hosts: plain, CURVE, raw pyzmq.
+
+    sudo python benchmarks/bench_farm_hop.py [--seconds 2] [--repeat 3] [--sizes 1024,...]
+
+Builds two hosts (network namespaces on a bridge, ``tests/farm_hosts.py``), puts the
+receiver on h2 and the sender on h1 (``nsenter --net``), and runs, interleaved so all
+see the same machine load, for each size:
+
+- ``raw``: a pyzmq PUSH -> PULL loop of single frames (the ceiling);
+- ``raw+curve``: the same loop with CURVE on both sockets (the cost of the cipher alone);
+- ``plain``: ``evflow device sampler`` -> ``evflow device sink`` (wire-protocol
+  messages, END with the count and an ACK);
+- ``curve``: the same devices with ``curve=server|client`` channels and a ZAP
+  allow-list (keys made by ``evflow.transport.curve.create_keys``).
+
+Reports msg/s at the receiver (best of --repeat) and the ratios curve/plain and
+plain/raw. Needs root (namespaces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE))
+
+from bench_transport import _size, hwm_for  # noqa: E402
+
+from evflow.transport.curve import create_keys  # noqa: E402
+from farm_hosts import NamespaceFarm, missing_for_farm  # noqa: E402
+
+SIZES = [1024, 100 * 1024, 1024**2]
+GUESS_MSG_S = {1024: 60_000, 100 * 1024: 8_000, 1024**2: 1_000}
+
+# raw loops; argv: address n size hwm [curve-dir server|client]
+_CURVE = r"""
+def curve(s, argv):
+    if len(argv) < 6:
+        return
+    import zmq.auth
+    d, role = argv[4], argv[5]
+    pub, sec = zmq.auth.load_certificate(f"{d}/{role}.key_secret")
+    s.curve_publickey, s.curve_secretkey = pub, sec
+    if role == "server":
+        s.curve_server = True
+    else:
+        s.curve_serverkey = zmq.auth.load_certificate(f"{d}/server.key")[0]
+"""
+RAW_RECV = (
+    _CURVE
+    + r"""
+import sys, time, zmq
+argv = sys.argv[1:]
+addr, n, size, hwm = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
+ctx = zmq.Context(); s = ctx.socket(zmq.PULL); s.setsockopt(zmq.RCVHWM, hwm); curve(s, argv)
+s.bind(addr)
+print("bound", flush=True)
+copy = size < 65536
+s.recv(copy=copy); t0 = time.monotonic(); c0 = time.process_time()
+for _ in range(n - 1):
+    s.recv(copy=copy)
+print(time.monotonic() - t0, time.process_time() - c0, flush=True)
+s.close(0); ctx.term()
+"""
+)
+RAW_SEND = (
+    _CURVE
+    + r"""
+import os, sys, time, zmq
+argv = sys.argv[1:]
+addr, n, size, hwm = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
+ctx = zmq.Context(); s = ctx.socket(zmq.PUSH); s.setsockopt(zmq.SNDHWM, hwm); curve(s, argv)
+s.connect(addr)
+payload = os.urandom(size); copy = size < 65536
+if not copy:
+    payload = zmq.Frame(payload)
+for _ in range(n):
+    s.send(payload, copy=copy)
+sys.stdin.readline()  # the receiver is done: closing now cannot lose anything
+s.close(0); ctx.term()
+"""
+)
+
+
+class Hop:
+    def __init__(self, farm: NamespaceFarm, keys: Path, tmp: Path) -> None:
+        self.farm = farm
+        self.keys = keys
+        self.tmp = tmp
+        self.port = 41000
+
+    def _in(self, host: str) -> list[str]:
+        return ["nsenter", f"--net={self.farm.hosts[host].netns_path}"]
+
+    def _address(self) -> str:
+        self.port += 1
+        return f"tcp://{self.farm.hosts['h2'].address}:{self.port}"
+
+    def raw(self, n: int, size: int, curve: bool) -> float:
+        addr = self._address()
+        argv = [addr, str(n), str(size), str(hwm_for(size))]
+        extra = [str(self.keys)] if curve else []
+        recv = subprocess.Popen(
+            [*self._in("h2"), sys.executable, "-c", RAW_RECV, *argv, *extra,
+             *(["server"] if curve else [])],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert recv.stdout is not None
+        recv.stdout.readline()
+        send = subprocess.Popen(
+            [*self._in("h1"), sys.executable, "-c", RAW_SEND, *argv, *extra,
+             *(["client"] if curve else [])],
+            stdin=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert send.stdin is not None
+        try:
+            elapsed = float(recv.stdout.readline().split()[0])
+        finally:
+            send.stdin.write("done\n")
+            send.stdin.close()
+            send.wait(60)
+            recv.wait(60)
+            recv.stdout.close()
+        return n / elapsed
+
+    def evflow(self, n: int, size: int, curve: bool) -> float:
+        data, ack = self._address(), self._address()
+        hwm = hwm_for(size)
+        k = self.keys
+        server = f",curve=server,curveSecretKey={k}/server.key_secret,curveAllow={k}"
+        client = f",curve=client,curveSecretKey={k}/client.key_secret,curveServerKey={k}/server.key"
+        srv, cli = (server, client) if curve else ("", "")
+        evflow = [sys.executable, "-m", "evflow", "device"]
+        common = ["--severity", "warn", "--session", "bench"]
+        cfg = f"sndBufSize={hwm},rcvBufSize={hwm},rateLogging=0"
+        sink = subprocess.Popen(
+            [*self._in("h2"), *evflow, "sink", "--id", "sink", *common,
+             "--stats-file", str(self.tmp / "sink.json"),
+             "--channel-config", f"name=data,type=pull,method=bind,address={data},{cfg}{srv}",
+             "--channel-config", f"name=data-ack,type=push,method=bind,address={ack}{srv}"]
+        )  # fmt: skip
+        sampler = subprocess.Popen(
+            [*self._in("h1"), *evflow, "sampler", "--id", "sampler", *common,
+             "--max-iterations", str(n), "--msg-size", str(size),
+             "--channel-config", f"name=data,type=push,method=connect,address={data},{cfg}{cli}",
+             "--channel-config", f"name=data-ack,type=pull,method=connect,address={ack}{cli}"]
+        )  # fmt: skip
+        if sampler.wait(300) or sink.wait(300):
+            raise RuntimeError(f"devices failed ({sampler.returncode}, {sink.returncode})")
+        got = json.loads((self.tmp / "sink.json").read_text())["sink"]
+        if got["received"] != n:
+            raise RuntimeError(f"sink received {got['received']} of {n}")
+        return float(got["msg_per_s"])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=2.0, help="target time per run (s)")
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="bytes, comma-separated")
+    parser.add_argument("--repeat", type=int, default=3, help="best of R runs of each")
+    args = parser.parse_args()
+    reason = missing_for_farm()
+    if reason:
+        print(f"cannot run: {reason}", file=sys.stderr)
+        return 2
+    tmp = Path(tempfile.mkdtemp(prefix="evb-hop-"))
+    os.environ["EVFLOW_RUNTIME_DIR"] = str(tmp)
+    create_keys(tmp / "keys", ["server", "client"])
+    modes = ("raw", "raw+curve", "plain", "curve")
+    print(f"{'size':>7} {'N':>6} " + " ".join(f"{m + ' msg/s':>15}" for m in modes)
+          + f" {'GB/s plain':>10} {'GB/s curve':>10} {'curve/plain':>11} {'plain/raw':>9}")  # fmt: skip
+    try:
+        with NamespaceFarm(2) as farm:
+            hop = Hop(farm, tmp / "keys", tmp)
+            for size in map(int, args.sizes.split(",")):
+                n = max(50, int(GUESS_MSG_S.get(size, 1000) * args.seconds))
+                best = dict.fromkeys(modes, 0.0)
+                for _ in range(args.repeat):
+                    best["raw"] = max(best["raw"], hop.raw(n, size, curve=False))
+                    best["raw+curve"] = max(best["raw+curve"], hop.raw(n, size, curve=True))
+                    best["plain"] = max(best["plain"], hop.evflow(n, size, curve=False))
+                    best["curve"] = max(best["curve"], hop.evflow(n, size, curve=True))
+                print(
+                    f"{_size(size):>7} {n:>6} "
+                    + " ".join(f"{best[m]:>15,.0f}" for m in modes)
+                    + f" {best['plain'] * size / 1e9:>10.3f} {best['curve'] * size / 1e9:>10.3f}"
+                    f" {best['curve'] / best['plain']:>11.2f} {best['plain'] / best['raw']:>9.2f}",
+                    flush=True,
+                )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

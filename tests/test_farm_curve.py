@@ -1,0 +1,90 @@
+"""CURVE between namespace hosts: devices started over ssh exchange an exact count with
+keys; a device on a third host with a key not in the allow-list is refused, and the
+receiving device's log names that host's address."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from evflow.topology.launch.ssh import SshLauncher
+from evflow.transport.curve import create_keys
+from farm_hosts import NamespaceFarm
+
+pytestmark = [pytest.mark.netns, pytest.mark.sshd]
+
+PORT, ACK_PORT = 47011, 47012  # the namespaces are ours alone: fixed ports are free there
+
+
+def _device(cls: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "evflow", "device", cls, "--severity", "info", *args]
+
+
+def _wait_for(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_curve_across_hosts_counts_and_refuses_a_stranger(
+    farm: NamespaceFarm, tmp_path: Path, _runtime_dir: Path
+) -> None:
+    keys, other = tmp_path / "keys", tmp_path / "other"
+    create_keys(keys, ["h1", "h2"])
+    create_keys(other, ["h3"])
+    h1, h2, h3 = (farm.hosts[n].address for n in ("h1", "h2", "h3"))
+    server = f"curve=server,curveSecretKey={keys}/h2.key_secret,curveAllow={keys}"
+
+    def client(secret: Path) -> str:
+        return f"curve=client,curveSecretKey={secret},curveServerKey={keys}/h2.key"
+
+    n = 2000
+    ssh = SshLauncher(ssh_config=str(farm.ssh_config))
+    specs = farm.host_specs()
+    env = {"EVFLOW_RUNTIME_DIR": str(_runtime_dir)}
+    sink = ssh.start_command(specs["h2"], _device(
+        "sink", "--id", "sink", "--stats-file", str(tmp_path / "sink.json"),
+        "--channel-config", f"name=data,type=pull,method=bind,address=tcp://{h2}:{PORT},{server}",
+        "--channel-config",
+        f"name=data-ack,type=push,method=bind,address=tcp://{h2}:{ACK_PORT},{server}",
+    ), env)  # fmt: skip
+    stranger = ssh.start_command(specs["h3"], _device(
+        "sampler", "--id", "stranger", "--max-iterations", "10",
+        "--channel-config",
+        f"name=data,type=push,method=connect,address=tcp://{h2}:{PORT},"
+        f"{client(other / 'h3.key_secret')}",
+    ), env)  # fmt: skip
+    sampler = None
+    try:
+        _wait_for(lambda: f"CURVE refused peer {h3}" in sink.error_output(), 30,
+                  f"the sink never logged the refusal of {h3}: {sink.error_output()}")  # fmt: skip
+        sampler = ssh.start_command(specs["h1"], _device(
+            "sampler", "--id", "sampler", "--max-iterations", str(n), "--msg-size", "1000",
+            "--channel-config",
+            f"name=data,type=push,method=connect,address=tcp://{h2}:{PORT},"
+            f"{client(keys / 'h1.key_secret')}",
+            "--channel-config",
+            f"name=data-ack,type=pull,method=connect,address=tcp://{h2}:{ACK_PORT},"
+            f"{client(keys / 'h1.key_secret')}",
+        ), env)  # fmt: skip
+        assert sampler.wait(60) == 0, sampler.error_output()
+        assert sink.wait(60) == 0, sink.error_output()
+        stats = json.loads((tmp_path / "sink.json").read_text())["sink"]
+        assert stats["received"] == stats["announced"] == n  # nothing from the stranger
+        refusals = [ln for ln in sink.error_output().splitlines() if "CURVE refused" in ln]
+        assert len(refusals) == 1, refusals  # logged once, naming h3's address and key
+        assert f"peer {h3}" in refusals[0] and "not in the allow-list" in refusals[0]
+        assert h1 not in " ".join(refusals)
+        # the stranger's own log says it was refused (its messages went nowhere)
+        assert "refused by ZAP" in stranger.error_output(), stranger.error_output()
+    finally:
+        for handle in (stranger, sampler, sink):
+            if handle is not None:
+                handle.terminate(0.5)
+    assert not os.listdir(_runtime_dir)

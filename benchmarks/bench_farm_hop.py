@@ -175,8 +175,8 @@ def main() -> int:
     os.environ["EVFLOW_RUNTIME_DIR"] = str(tmp)
     create_keys(tmp / "keys", ["server", "client"])
     modes = ("raw", "raw+curve", "plain", "curve")
-    print(f"{'size':>7} {'N':>6} " + " ".join(f"{m + ' msg/s':>15}" for m in modes)
-          + f" {'GB/s plain':>10} {'GB/s curve':>10} {'curve/plain':>11} {'plain/raw':>9}")  # fmt: skip
+    head = f"{'size':>7} {'N':>6} " + " ".join(f"{m + ' msg/s':>15}" for m in modes)
+    print(head + f" {'GB/s plain':>10} {'GB/s curve':>10} {'curve/plain':>11} {'plain/raw':>9}")
     try:
         with NamespaceFarm(2) as farm:
             hop = Hop(farm, tmp / "keys", tmp)

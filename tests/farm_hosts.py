@@ -87,6 +87,11 @@ def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
     return alive
 
 
+def _alive(pid: int) -> bool:
+    """Running (a killed daemon stays a zombie until init reaps it)."""
+    return pid > 0 and psutil.pid_exists(pid) and not _zombie(pid)
+
+
 def _zombie(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
@@ -343,7 +348,7 @@ class NamespaceFarm:
             host = self.hosts[name]
             _kill(self.pids(name))
             _wait_gone(self.pids(name), 5)
-            if not psutil.pid_exists(host.daemons.get("sshd", -1)):
+            if not _alive(host.daemons.get("sshd", -1)):
                 self._start_sshd(host)
             for hook in self.revive_hooks:
                 hook(host)
@@ -462,7 +467,7 @@ PartitionName=farm Nodes={names} Default=YES MaxTime=INFINITE State=UP
         host.daemons["slurmd"] = _read_pid(pidfile)
 
     def _revive(self, host: NsHost) -> None:
-        if not psutil.pid_exists(host.daemons.get("slurmd", -1)):
+        if not _alive(host.daemons.get("slurmd", -1)):
             self._start_slurmd(host)
             _run("scontrol", "update", f"nodename={host.name}", "state=resume", check=False)
             self.wait_idle()

@@ -136,7 +136,10 @@ def test_plaintext_client_gets_nothing_and_is_logged(
         assert not plain.poll(200)
         records = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
         assert len(records) == 1, records
-        assert "127.0.0.1:" in records[0] and "handshake failed" in records[0]
+        assert "handshake failed" in records[0]
+        # the address is read from the accepted socket by the monitor thread; on a
+        # loaded machine libzmq may close it first, and the line says so instead
+        assert "127.0.0.1:" in records[0] or "address unknown" in records[0]
     finally:
         plain.close()
         server.close()

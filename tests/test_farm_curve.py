@@ -55,9 +55,12 @@ def test_curve_across_hosts_counts_and_refuses_a_stranger(
         f"name=data-ack,type=push,method=bind,address=tcp://{h2}:{ACK_PORT},{server}",
     ), env)  # fmt: skip
     stranger = ssh.start_command(specs["h3"], _device(
-        "sampler", "--id", "stranger", "--max-iterations", "10",
+        "sampler", "--id", "stranger", "--max-iterations", "10", "--ack-timeout-s", "30",
         "--channel-config",
         f"name=data,type=push,method=connect,address=tcp://{h2}:{PORT},"
+        f"{client(other / 'h3.key_secret')}",
+        "--channel-config",
+        f"name=data-ack,type=pull,method=connect,address=tcp://{h2}:{ACK_PORT},"
         f"{client(other / 'h3.key_secret')}",
     ), env)  # fmt: skip
     sampler = None
@@ -78,11 +81,17 @@ def test_curve_across_hosts_counts_and_refuses_a_stranger(
         stats = json.loads((tmp_path / "sink.json").read_text())["sink"]
         assert stats["received"] == stats["announced"] == n  # nothing from the stranger
         refusals = [ln for ln in sink.error_output().splitlines() if "CURVE refused" in ln]
-        assert len(refusals) == 1, refusals  # logged once, naming h3's address and key
-        assert f"peer {h3}" in refusals[0] and "not in the allow-list" in refusals[0]
+        # logged once per channel the stranger tried, naming h3's address and key
+        assert len(refusals) == 2, refusals
+        assert "channel data[0]:" in refusals[0] + refusals[1]
+        assert "channel data-ack[0]:" in refusals[0] + refusals[1]
+        assert all(f"peer {h3}" in r and "not in the allow-list" in r for r in refusals)
         assert h1 not in " ".join(refusals)
-        # the stranger's own log says it was refused (its messages went nowhere)
-        assert "refused by ZAP" in stranger.error_output(), stranger.error_output()
+        # the stranger is still waiting for an ACK that cannot come, and its own log
+        # says why: it was refused
+        assert stranger.poll() is None
+        _wait_for(lambda: "refused by ZAP" in stranger.error_output(), 10,
+                  f"the stranger never logged its refusal: {stranger.error_output()}")  # fmt: skip
     finally:
         for handle in (stranger, sampler, sink):
             if handle is not None:

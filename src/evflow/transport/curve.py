@@ -267,7 +267,7 @@ class CurveSecurity:
                     elif kind != zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # the ZAP logged it
                         failed = _FAILED_EVENTS[kind]
                 elif kind == zmq.EVENT_DISCONNECTED:
-                    peer = self._peers.pop(value, "unknown peer")
+                    peer = self._peers.pop(value, "(address unknown)")
                     if failed is not None:
                         self.refused(peer, failed)
                         failed = None
@@ -301,4 +301,5 @@ def _peer_of(fd: int) -> str:
             host, port = s.getpeername()[:2]
             return f"{host}:{port}"
     except OSError:
-        return "unknown peer"
+        # libzmq closed it before this thread got to it (a handshake that failed at once)
+        return "(address unknown: the connection closed before it was read)"

@@ -23,8 +23,8 @@ from evflow.topology.launch._guard import READY_PREFIX
 
 log = logging.getLogger("evflow.launch")
 
-#: lines of the client's stderr kept for error messages
-ERROR_LINES = 20
+#: lines of the client's stderr kept for error messages (the agent logs there too)
+ERROR_LINES = 200
 
 
 def guarded(python: str, argv: list[str], env: dict[str, str] | None, *, detached: bool = False

@@ -130,6 +130,14 @@ def remove_dead_sessions() -> None:
         if m and not psutil.pid_exists(int(m.group(1))):
             _kill(_netns_pids(name))
             _run("ip", "netns", "del", name, check=False)
+    # daemons of the root namespace (slurmctld, munged) and the work directory
+    for workdir in Path(tempfile.gettempdir()).glob("evflow-farm-*-*"):
+        m = re.match(r"evflow-farm-(\d+)-", workdir.name)
+        if m and not psutil.pid_exists(int(m.group(1))):
+            for pidfile in workdir.rglob("*.pid"):
+                with contextlib.suppress(ValueError, IndexError, OSError):
+                    _kill([int(pidfile.read_text().split()[0])])
+            shutil.rmtree(workdir, ignore_errors=True)
     for line in _run("ip", "-o", "link", "show", "type", "bridge", check=False).splitlines():
         name = line.split(":")[1].strip().split("@")[0]
         m = _BRIDGE_RE.match(name)

@@ -16,7 +16,8 @@ import signal
 import subprocess
 import threading
 import time
-from typing import IO, Any
+from collections.abc import Callable
+from typing import IO
 
 from evflow.topology.hosts import HostSpec
 from evflow.topology.launch._guard import READY_PREFIX
@@ -92,7 +93,9 @@ class GuardedProcess:
             self._done.set()
 
     # --- start-up ------------------------------------------------------------------------
-    def wait_started(self, timeout_s: float, describe_failure: Any) -> None:
+    def wait_started(
+        self, timeout_s: float, describe_failure: Callable[[int | None, str], Exception]
+    ) -> None:
         """Return once the guard reported the command started; else raise the error
         ``describe_failure(exit_code, last_line)`` builds (and leave nothing running)."""
         deadline = time.monotonic() + timeout_s

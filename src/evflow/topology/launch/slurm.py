@@ -142,7 +142,7 @@ class SlurmLauncher:
             raise _slurm_error(host, "sbatch", lines[-1].strip(), self.immediate_s)
         job = BatchJob(host, out.stdout.strip().split(";")[0], self.output)
         deadline = time.monotonic() + self.immediate_s
-        while (state := job.state()) == "PENDING":
+        while job.state() == "PENDING":
             if time.monotonic() > deadline:
                 reason = _query(["squeue", "-h", "-j", job.job_id, "-o", "%r"]).strip()
                 _query(["scancel", job.job_id])
@@ -151,7 +151,6 @@ class SlurmLauncher:
                     self.immediate_s,
                 )  # fmt: skip
             time.sleep(0.1)
-        del state
         return job
 
     def start_agent(

@@ -6,7 +6,7 @@ fixtures hand the same farm to each test and afterwards undo ``kill_host`` /
 ``cut_link`` and fail the test if it left processes on any host.
 
 - ``farm``: a :class:`farm_hosts.NamespaceFarm` with 3 hosts h1..h3 running sshd.
-- ``slurm``: a :class:`farm_hosts.SlurmCluster` on those hosts (nodes h1..h3).
+- ``slurm``: a :class:`farm_slurm.SlurmCluster` on those hosts (nodes h1..h3).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from farm_hosts import NamespaceFarm, SlurmCluster, missing_for_farm, missing_for_slurm
+from farm_hosts import NamespaceFarm, missing_for_farm
+from farm_slurm import SlurmCluster, missing_for_slurm
 
 FARM_HOSTS = 3
 

@@ -51,15 +51,7 @@ def missing_for_farm() -> str | None:
     return None
 
 
-def missing_for_slurm() -> str | None:
-    """Why this machine cannot run a Slurm cluster (None if it can)."""
-    for tool in ("munged", "slurmctld", "slurmd", "srun", "sbatch", "squeue", "scontrol"):
-        if shutil.which(tool) is None and not Path("/usr/sbin", tool).exists():
-            return f"needs {tool!r} (Debian's slurm-wlm and munge)"
-    return None
-
-
-def _run(*argv: str, check: bool = True, timeout_s: float = 20) -> str:
+def run(*argv: str, check: bool = True, timeout_s: float = 20) -> str:
     out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
     if check and out.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed ({out.returncode}): {out.stderr.strip()}")
@@ -71,35 +63,35 @@ def _netns_pids(netns: str) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
-def _kill(pids: list[int], sig: int = signal.SIGKILL) -> None:
+def kill_pids(pids: list[int], sig: int = signal.SIGKILL) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
 
 
-def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
     deadline = time.monotonic() + timeout_s
     alive = list(pids)
     while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if psutil.pid_exists(p) and not _zombie(p)]
+        alive = [p for p in alive if psutil.pid_exists(p) and not zombie(p)]
         if alive:
             time.sleep(0.02)
     return alive
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     """Running (a killed daemon stays a zombie until init reaps it)."""
-    return pid > 0 and psutil.pid_exists(pid) and not _zombie(pid)
+    return pid > 0 and psutil.pid_exists(pid) and not zombie(pid)
 
 
-def _zombie(pid: int) -> bool:
+def zombie(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
 
 
-def _read_pid(path: Path, timeout_s: float = 10) -> int:
+def read_pid(path: Path, timeout_s: float = 10) -> int:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with contextlib.suppress(FileNotFoundError, ValueError, IndexError):
@@ -110,7 +102,7 @@ def _read_pid(path: Path, timeout_s: float = 10) -> int:
     raise RuntimeError(f"daemon did not write its pid file {path} within {timeout_s} s")
 
 
-def _wait_port(address: str, port: int, timeout_s: float = 10) -> None:
+def wait_port(address: str, port: int, timeout_s: float = 10) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -124,29 +116,29 @@ def _wait_port(address: str, port: int, timeout_s: float = 10) -> None:
 
 def remove_dead_sessions() -> None:
     """Namespaces and bridges of earlier sessions whose process is gone."""
-    for line in _run("ip", "netns", "list", check=False).splitlines():
+    for line in run("ip", "netns", "list", check=False).splitlines():
         name = line.split()[0] if line.strip() else ""
         m = _NAME_RE.match(name)
         if m and not psutil.pid_exists(int(m.group(1))):
-            _kill(_netns_pids(name))
-            _run("ip", "netns", "del", name, check=False)
+            kill_pids(_netns_pids(name))
+            run("ip", "netns", "del", name, check=False)
     # daemons of the root namespace (slurmctld, munged) and the work directory
     for workdir in Path(tempfile.gettempdir()).glob("evflow-farm-*-*"):
         m = re.match(r"evflow-farm-(\d+)-", workdir.name)
         if m and not psutil.pid_exists(int(m.group(1))):
             for pidfile in workdir.rglob("*.pid"):
                 with contextlib.suppress(ValueError, IndexError, OSError):
-                    _kill([int(pidfile.read_text().split()[0])])
+                    kill_pids([int(pidfile.read_text().split()[0])])
             shutil.rmtree(workdir, ignore_errors=True)
-    for line in _run("ip", "-o", "link", "show", "type", "bridge", check=False).splitlines():
+    for line in run("ip", "-o", "link", "show", "type", "bridge", check=False).splitlines():
         name = line.split(":")[1].strip().split("@")[0]
         m = _BRIDGE_RE.match(name)
         if m and not psutil.pid_exists(int(m.group(1))):
-            _run("ip", "link", "del", name, check=False)
+            run("ip", "link", "del", name, check=False)
 
 
 def _free_subnet() -> int:
-    used = set(re.findall(r"inet 10\.201\.(\d+)\.", _run("ip", "-4", "-o", "addr", check=False)))
+    used = set(re.findall(r"inet 10\.201\.(\d+)\.", run("ip", "-4", "-o", "addr", check=False)))
     start = os.getpid() % 200
     for i in range(250):
         x = (start + i) % 250 + 1
@@ -213,24 +205,24 @@ class NamespaceFarm:
 
     def start(self) -> None:
         remove_dead_sessions()
-        _run("ip", "link", "add", self.bridge, "type", "bridge")
-        _run("ip", "addr", "add", f"{self.controller_address}/24", "dev", self.bridge)
-        _run("ip", "link", "set", self.bridge, "up")
+        run("ip", "link", "add", self.bridge, "type", "bridge")
+        run("ip", "addr", "add", f"{self.controller_address}/24", "dev", self.bridge)
+        run("ip", "link", "set", self.bridge, "up")
         for host in self.hosts.values():
-            _run("ip", "netns", "add", host.netns)
-            _run("ip", "link", "add", host.veth, "type", "veth", "peer", "name", "eth0",
+            run("ip", "netns", "add", host.netns)
+            run("ip", "link", "add", host.veth, "type", "veth", "peer", "name", "eth0",
                  "netns", host.netns)  # fmt: skip
-            _run("ip", "link", "set", host.veth, "master", self.bridge, "up")
-            _run("ip", "-n", host.netns, "addr", "add", f"{host.address}/24", "dev", "eth0")
-            _run("ip", "-n", host.netns, "link", "set", "eth0", "up")
-            _run("ip", "-n", host.netns, "link", "set", "lo", "up")
+            run("ip", "link", "set", host.veth, "master", self.bridge, "up")
+            run("ip", "-n", host.netns, "addr", "add", f"{host.address}/24", "dev", "eth0")
+            run("ip", "-n", host.netns, "link", "set", "eth0", "up")
+            run("ip", "-n", host.netns, "link", "set", "lo", "up")
         self._make_keys()
         for host in self.hosts.values():
             self._start_sshd(host)
 
     def _make_keys(self) -> None:
         for key in ("host_ed25519", "id_ed25519"):
-            _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.workdir / key))
+            run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.workdir / key))
         shutil.copy(self.workdir / "id_ed25519.pub", self.workdir / "authorized_keys")
         self.ssh_config.write_text(
             "Host *\n"
@@ -266,10 +258,10 @@ class NamespaceFarm:
             "ClientAliveInterval 1\n"
             "ClientAliveCountMax 3\n"
         )
-        _run("ip", "netns", "exec", host.netns, "/usr/sbin/sshd", "-f", str(cfg),
+        run("ip", "netns", "exec", host.netns, "/usr/sbin/sshd", "-f", str(cfg),
              "-E", str(d / f"sshd_{host.name}.log"))  # fmt: skip
-        host.daemons["sshd"] = _read_pid(pidfile)
-        _wait_port(host.address, 22)
+        host.daemons["sshd"] = read_pid(pidfile)
+        wait_port(host.address, 22)
 
     # --- what tests use ----------------------------------------------------------------
     def host_specs(self) -> dict[str, HostSpec]:
@@ -306,6 +298,12 @@ class NamespaceFarm:
             stdin=subprocess.DEVNULL,
         )
 
+    def popen(self, name: str, argv: list[str], **kwargs: object) -> subprocess.Popen[bytes]:
+        """Start ``argv`` in host ``name``'s network namespace directly (no ssh): a child
+        of the test, which must end it (the per-test leftover checks see it)."""
+        enter = ["nsenter", f"--net={self.hosts[name].netns_path}"]
+        return subprocess.Popen([*enter, *argv], **kwargs)  # type: ignore[call-overload,no-any-return]
+
     def pids(self, name: str) -> list[int]:
         """Every process in host ``name``'s network namespace."""
         return _netns_pids(self.hosts[name].netns)
@@ -319,7 +317,7 @@ class NamespaceFarm:
         deadline = time.monotonic() + timeout_s
         while True:
             daemons = self.daemon_pids(name)
-            rest = [p for p in self.pids(name) if p not in daemons and not _zombie(p)]
+            rest = [p for p in self.pids(name) if p not in daemons and not zombie(p)]
             if not rest or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
@@ -334,18 +332,18 @@ class NamespaceFarm:
         the host is lost. ``revive()`` restarts its daemons."""
         keep = set() if include_daemons else self.daemon_pids(name)
         victims = [p for p in self.pids(name) if p not in keep]
-        _kill(victims)
+        kill_pids(victims)
         if include_daemons:
             self._killed.add(name)
         return victims
 
     def cut_link(self, name: str) -> None:
         """Take host ``name`` off the network (its bridge port goes down)."""
-        _run("ip", "link", "set", self.hosts[name].veth, "down")
+        run("ip", "link", "set", self.hosts[name].veth, "down")
         self._cut.add(name)
 
     def restore_link(self, name: str) -> None:
-        _run("ip", "link", "set", self.hosts[name].veth, "up")
+        run("ip", "link", "set", self.hosts[name].veth, "up")
         self._cut.discard(name)
 
     def revive(self) -> None:
@@ -354,9 +352,9 @@ class NamespaceFarm:
             self.restore_link(name)
         for name in list(self._killed):
             host = self.hosts[name]
-            _kill(self.pids(name))
-            _wait_gone(self.pids(name), 5)
-            if not _alive(host.daemons.get("sshd", -1)):
+            kill_pids(self.pids(name))
+            wait_gone(self.pids(name), 5)
+            if not alive(host.daemons.get("sshd", -1)):
                 self._start_sshd(host)
             for hook in self.revive_hooks:
                 hook(host)
@@ -368,173 +366,11 @@ class NamespaceFarm:
         for host in self.hosts.values():
             with contextlib.suppress(Exception):
                 pids = _netns_pids(host.netns)
-                _kill(pids)
-                _wait_gone(pids, 5)
-            _run("ip", "netns", "del", host.netns, check=False)
-        _run("ip", "link", "del", self.bridge, check=False)
+                kill_pids(pids)
+                wait_gone(pids, 5)
+            run("ip", "netns", "del", host.netns, check=False)
+        run("ip", "link", "del", self.bridge, check=False)
         shutil.rmtree(self.workdir, ignore_errors=True)
-
-
-class SlurmCluster:
-    """munged + slurmctld (root namespace, on the bridge) + one slurmd per farm host.
-
-    Node names are the farm's host names; ``env`` holds ``SLURM_CONF`` for the clients
-    (srun, sbatch, squeue), which is also exported while the cluster runs.
-    """
-
-    def __init__(self, farm: NamespaceFarm) -> None:
-        self.farm = farm
-        self.dir = farm.workdir / "slurm"
-        self.conf = self.dir / "slurm.conf"
-        self.munge_socket = self.dir / "munge" / "munge.sock"
-        self.pids: dict[str, int] = {}
-        self.env = {"SLURM_CONF": str(self.conf)}
-        self._old_conf: str | None = None
-
-    def __enter__(self) -> SlurmCluster:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def start(self) -> None:
-        munge_dir = self.munge_socket.parent
-        munge_dir.mkdir(parents=True, mode=0o755)
-        (self.dir / "state").mkdir(mode=0o700)
-        (self.dir / "spool").mkdir(mode=0o700)
-        key = munge_dir / "munge.key"
-        key.write_bytes(os.urandom(1024))
-        key.chmod(0o400)
-        _run("munged", "--force", f"--socket={self.munge_socket}", f"--key-file={key}",
-             f"--log-file={munge_dir / 'munged.log'}", f"--pid-file={munge_dir / 'munged.pid'}",
-             f"--seed-file={munge_dir / 'seed'}")  # fmt: skip
-        self.pids["munged"] = _read_pid(munge_dir / "munged.pid")
-        ctld_port = _free_port(self.farm.controller_address)
-        self.conf.write_text(self._config(ctld_port, _free_port(self.farm.controller_address)))
-        self._old_conf = os.environ.get("SLURM_CONF")
-        os.environ["SLURM_CONF"] = str(self.conf)
-        _run("slurmctld", "-f", str(self.conf))
-        self.pids["slurmctld"] = _read_pid(self.dir / "slurmctld.pid")
-        _wait_port(self.farm.controller_address, ctld_port)
-        for host in self.farm.hosts.values():
-            self._start_slurmd(host)
-        self.farm.revive_hooks.append(self._revive)
-        self.wait_idle()
-
-    def _config(self, ctld_port: int, slurmd_port: int) -> str:
-        d = self.dir
-        nodes = "\n".join(
-            f"NodeName={h.name} NodeAddr={h.address} CPUs=4 State=UNKNOWN"
-            for h in self.farm.hosts.values()
-        )
-        names = ",".join(self.farm.hosts)
-        short = socket.gethostname().split(".")[0]
-        return f"""\
-ClusterName=evf{self.farm.tag}
-SlurmctldHost={short}({self.farm.controller_address})
-SlurmctldPort={ctld_port}
-SlurmdPort={slurmd_port}
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-AuthInfo=socket={self.munge_socket}
-CredType=cred/munge
-StateSaveLocation={d / "state"}
-SlurmdSpoolDir={d / "spool"}/%n
-SlurmctldPidFile={d / "slurmctld.pid"}
-SlurmdPidFile={d}/slurmd.%n.pid
-SlurmctldLogFile={d / "slurmctld.log"}
-SlurmdLogFile={d}/slurmd.%n.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-SchedulerType=sched/builtin
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-SlurmdParameters=config_overrides
-MpiDefault=none
-ReturnToService=2
-SlurmdTimeout=10
-KillWait=2
-MinJobAge=300
-PlugStackConfig=/dev/null
-{nodes}
-PartitionName=farm Nodes={names} Default=YES MaxTime=INFINITE State=UP
-"""
-
-    def _start_slurmd(self, host: NsHost) -> None:
-        pidfile = self.dir / f"slurmd.{host.name}.pid"
-        pidfile.unlink(missing_ok=True)
-        _run("nsenter", f"--net={host.netns_path}", "slurmd", "-f", str(self.conf), "-N", host.name)
-        host.daemons["slurmd"] = _read_pid(pidfile)
-
-    def _revive(self, host: NsHost) -> None:
-        if not _alive(host.daemons.get("slurmd", -1)):
-            self._start_slurmd(host)
-            _run("scontrol", "update", f"nodename={host.name}", "state=resume", check=False)
-            self.wait_idle()
-
-    def node_states(self) -> dict[str, str]:
-        out = _run("sinfo", "-h", "-N", "-o", "%N %t", check=False)
-        return dict(line.split() for line in out.splitlines() if line.strip())
-
-    def wait_idle(self, timeout_s: float = 20) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            states = self.node_states()
-            if states and all(s == "idle" for s in states.values()):
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"Slurm nodes not idle within {timeout_s} s: {states}")
-            time.sleep(0.1)
-
-    def cancel_all(self) -> None:
-        """Cancel every job of this cluster and wait until none is left."""
-        _run("scancel", "--full", "-u", "root", check=False, timeout_s=5)
-        deadline = time.monotonic() + 10
-        while _run("squeue", "-h", "-o", "%i", check=False, timeout_s=5).strip():
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.cancel_all()
-        for host in self.farm.hosts.values():
-            pid = host.daemons.pop("slurmd", None)
-            if pid is not None:
-                _kill([pid])
-        for name in ("slurmctld", "munged"):
-            pid = self.pids.pop(name, None)
-            if pid is not None:
-                _kill([pid], signal.SIGTERM)
-                if _wait_gone([pid], 3):
-                    _kill([pid])
-        if self._revive in self.farm.revive_hooks:
-            self.farm.revive_hooks.remove(self._revive)
-        if self._old_conf is None:
-            os.environ.pop("SLURM_CONF", None)
-        else:
-            os.environ["SLURM_CONF"] = self._old_conf
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _free_port(address: str) -> int:
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return int(s.getsockname()[1])
-
-
-if __name__ == "__main__":  # manual check: python tests/farm_hosts.py
-    with NamespaceFarm(2) as farm, SlurmCluster(farm) as slurm:
-        print(farm.hosts_toml(), slurm.node_states(), file=sys.stderr)
-        print(farm.ssh("h1", "readlink /proc/self/ns/net").stdout, farm.hosts["h1"].netns_inode())
 
 
 # --- a stand-in for the agent (tests/_farm_probe.py) ------------------------------------

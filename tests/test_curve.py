@@ -17,7 +17,12 @@ import zmq
 
 from evflow.errors import ConfigurationError
 from evflow.transport import curve
-from evflow.transport.channel import Channel, open_channel, parse_channel_config
+from evflow.transport.channel import (
+    Channel,
+    config_from_mapping,
+    open_channel,
+    parse_channel_config,
+)
 from evflow.transport.curve import create_keys
 
 
@@ -203,3 +208,24 @@ def test_curve_is_refused_when_libzmq_lacks_it(monkeypatch: pytest.MonkeyPatch) 
         )
     with pytest.raises(ConfigurationError, match="built without CURVE"):
         create_keys("/nonexistent-never-created", ["a"])
+
+
+def test_keyring_gives_channel_options_per_host(ctx: zmq.Context[Any], tmp_path: Path) -> None:
+    create_keys(tmp_path / "ring", ["h1", "h2"])
+    ring = curve.KeyRing(tmp_path / "ring")
+    server = config_from_mapping({"name": "data", "type": "pull", "method": "bind",
+        "address": "tcp://127.0.0.1:0", **ring.server_options("h2")})  # fmt: skip
+    bound = open_channel(ctx, server, "s")
+    client = config_from_mapping({"name": "data", "type": "push", "method": "connect",
+        "address": bound.endpoints[0], "linger": 0, **ring.client_options("h1", "h2")})  # fmt: skip
+    out = open_channel(ctx, client, "s")
+    try:
+        out.send([b"over curve"])
+        assert bound.poll(5000) and bytes(bound.recv()[0]) == b"over curve"
+    finally:
+        out.close()
+        bound.close()
+    with pytest.raises(ConfigurationError, match=r"no CURVE key for host 'h3'.*--names h3"):
+        ring.server_options("h3")
+    with pytest.raises(ConfigurationError, match="does not exist"):
+        curve.KeyRing(tmp_path / "nope")

@@ -9,7 +9,8 @@ import subprocess
 
 import pytest
 
-from farm_hosts import NamespaceFarm, SlurmCluster
+from farm_hosts import NamespaceFarm
+from farm_slurm import SlurmCluster
 
 pytestmark = [pytest.mark.netns, pytest.mark.sshd]
 
@@ -41,6 +42,12 @@ def test_controller_is_reachable_from_a_host(farm: NamespaceFarm) -> None:
         with conn:
             assert conn.recv(16) == b"from h2"
         assert peer == farm.hosts["h2"].address
+
+
+def test_popen_runs_a_process_inside_a_host(farm: NamespaceFarm) -> None:
+    proc = farm.popen("h3", ["readlink", "/proc/self/ns/net"], stdout=subprocess.PIPE)
+    out, _ = proc.communicate(timeout=10)
+    assert out.decode().strip() == f"net:[{farm.hosts['h3'].netns_inode()}]"
 
 
 def test_cut_link_takes_a_host_off_the_network(farm: NamespaceFarm) -> None:

@@ -17,7 +17,8 @@ from evflow.errors import ConfigurationError
 from evflow.topology.hosts import HostSpec
 from evflow.topology.launch import get_launcher
 from evflow.topology.launch.slurm import BatchJob, SlurmLauncher
-from farm_hosts import NamespaceFarm, SlurmCluster, probe_argv, probe_env, read_json_line
+from farm_hosts import NamespaceFarm, probe_argv, probe_env, read_json_line
+from farm_slurm import SlurmCluster
 
 pytestmark = [pytest.mark.netns, pytest.mark.slurm]
 

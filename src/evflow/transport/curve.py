@@ -303,3 +303,47 @@ def _peer_of(fd: int) -> str:
     except OSError:
         # libzmq closed it before this thread got to it (a handshake that failed at once)
         return "(address unknown: the connection closed before it was read)"
+
+
+# --- one key pair per host: channel options for a topology ----------------------------
+class KeyRing:
+    """The per-host keys of ``evflow keys DIR --names h1 h2 ...`` as channel options.
+
+    A host's binding channels are CURVE servers with its own secret key and every
+    public key in DIR as allow-list; a connecting channel is a client with its host's
+    secret key and the binding host's public key.
+    """
+
+    def __init__(self, directory: str | Path) -> None:
+        require_curve()
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise ConfigurationError(
+                f"key directory {str(self.directory)!r} does not exist "
+                f"(make it with: evflow keys {self.directory} --names HOST...)"
+            )
+
+    def _secret(self, host: str) -> str:
+        path = self.directory / f"{host}{SECRET_SUFFIX}"
+        if not path.is_file():
+            raise ConfigurationError(
+                f"no CURVE key for host {host!r} in {str(self.directory)!r} "
+                f"(make it with: evflow keys {self.directory} --names {host})"
+            )
+        check_secret_permissions(path)
+        return str(path)
+
+    def server_options(self, host: str) -> dict[str, str]:
+        """Channel keys for a channel that ``host`` binds."""
+        return {"curve": "server", "curveSecretKey": self._secret(host),
+                "curveAllow": str(self.directory)}  # fmt: skip
+
+    def client_options(self, host: str, server_host: str) -> dict[str, str]:
+        """Channel keys for a channel on ``host`` that connects to ``server_host``."""
+        public = self.directory / f"{server_host}{PUBLIC_SUFFIX}"
+        if not public.is_file():
+            raise ConfigurationError(
+                f"no public CURVE key for host {server_host!r} in {str(self.directory)!r}"
+            )
+        return {"curve": "client", "curveSecretKey": self._secret(host),
+                "curveServerKey": str(public)}  # fmt: skip

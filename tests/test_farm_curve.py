@@ -97,3 +97,51 @@ def test_curve_across_hosts_counts_and_refuses_a_stranger(
             if handle is not None:
                 handle.terminate(0.5)
     assert not os.listdir(_runtime_dir)
+
+
+def test_farm_keys_from_the_environment_secure_every_tcp_channel(
+    farm: NamespaceFarm, tmp_path: Path, _runtime_dir: Path
+) -> None:
+    """No curve=... in any channel: EVFLOW_CURVE_KEYS/HOST/HOSTS_FILE make the sink a
+    CURVE server and the sampler its client; a plaintext sender (curve=none) is refused."""
+    keys = tmp_path / "keys"
+    create_keys(keys, ["h1", "h2", "h3"])
+    hosts_file = farm.write_hosts_file(tmp_path / "hosts.toml")
+    h2 = farm.hosts["h2"].address
+    ssh = SshLauncher(ssh_config=str(farm.ssh_config))
+    specs = farm.host_specs()
+
+    def env(host: str) -> dict[str, str]:
+        return {"EVFLOW_RUNTIME_DIR": str(_runtime_dir), "EVFLOW_CURVE_KEYS": str(keys),
+                "EVFLOW_HOST": host, "EVFLOW_HOSTS_FILE": str(hosts_file)}  # fmt: skip
+
+    n = 1000
+    data = f"tcp://{h2}:{PORT}"
+    ack = f"tcp://{h2}:{ACK_PORT}"
+    sink = ssh.start_command(specs["h2"], _device(
+        "sink", "--id", "sink", "--stats-file", str(tmp_path / "sink.json"),
+        "--channel-config", f"name=data,type=pull,method=bind,address={data}",
+        "--channel-config", f"name=data-ack,type=push,method=bind,address={ack}",
+    ), env("h2"))  # fmt: skip
+    plain = sampler = None
+    try:
+        plain = ssh.start_command(specs["h3"], _device(
+            "sampler", "--id", "plain", "--max-iterations", "10", "--ack-timeout-s", "30",
+            "--channel-config", f"name=data,type=push,method=connect,address={data},curve=none",
+        ), env("h3"))  # fmt: skip
+        _wait_for(lambda: "CURVE refused peer" in sink.error_output(), 30,
+                  "the sink never refused the plaintext sender")  # fmt: skip
+        sampler = ssh.start_command(specs["h1"], _device(
+            "sampler", "--id", "sampler", "--max-iterations", str(n), "--msg-size", "100",
+            "--channel-config", f"name=data,type=push,method=connect,address={data}",
+            "--channel-config", f"name=data-ack,type=pull,method=connect,address={ack}",
+        ), env("h1"))  # fmt: skip
+        assert sampler.wait(60) == 0, sampler.error_output()
+        assert sink.wait(60) == 0, sink.error_output()
+        stats = json.loads((tmp_path / "sink.json").read_text())["sink"]
+        assert stats["received"] == stats["announced"] == n
+        assert "handshake failed" in sink.error_output()
+    finally:
+        for handle in (plain, sampler, sink):
+            if handle is not None:
+                handle.terminate(0.5)

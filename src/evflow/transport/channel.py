@@ -45,6 +45,7 @@ from evflow.transport.channel_config import (
     validate,
 )
 from evflow.transport.curve import CurveOptions, CurveSecurity
+from evflow.transport.farmkeys import farm_keys
 from evflow.transport.paths import ipc_listening
 
 __all__ = [
@@ -223,12 +224,7 @@ def open_channel(
     cannot be bound/connected; the socket is closed again on any failure.
     """
     validate(config)
-    security = None
-    if config.curve:
-        opts = CurveOptions(
-            config.curve, config.curveSecretKey, config.curveServerKey, config.curveAllow
-        )
-        security = CurveSecurity(f"{config.name}[{index}]", opts)  # loads and checks keys
+    security = _security(config, index)  # loads and checks keys
     sock = context.socket(SOCKET_TYPES[config.type])
     ipc_files: list[Path] = []
     endpoints: list[str] = []
@@ -288,6 +284,25 @@ def open_channel(
     channel.security = security
     log.debug("opened %r", channel)
     return channel
+
+
+def _security(config: ChannelConfig, index: int) -> CurveSecurity | None:
+    """CURVE for this channel: its own curve=... keys, else the farm's keys for tcp."""
+    label = f"{config.name}[{index}]"
+    if config.curve in ("server", "client"):
+        opts = CurveOptions(
+            config.curve, config.curveSecretKey, config.curveServerKey, config.curveAllow
+        )
+        return CurveSecurity(label, opts)
+    if config.curve == "none":
+        return None
+    tcp = [ep for ep in config.endpoints if ep.scheme == "tcp"]
+    if not tcp:
+        return None
+    keys = farm_keys()
+    if keys is None:
+        return None
+    return CurveSecurity(label, keys.options(config.name, tcp, config.method))
 
 
 def _bind(sock: zmq.Socket[Any], url: str, ep: Endpoint, config: ChannelConfig) -> str:

@@ -40,7 +40,8 @@ TRANSPORTS = ("zmq",)
 #: "evflow": wire-protocol messages (type byte, header, payload); "raw": each message is
 #: just its frames, as FairMQ's zeromq transport sends them (no END/ACK possible)
 FRAMINGS = ("evflow", "raw")
-CURVE_ROLES = ("", "server", "client")
+#: "" = CURVE only if farm keys are configured (transport.farmkeys); "none" = never
+CURVE_ROLES = ("", "server", "client", "none")
 #: frames at least this large are sent without copying (zmq keeps a reference)
 COPY_THRESHOLD_BYTES = 65536
 
@@ -54,10 +55,11 @@ class ChannelConfig:
     ``rcvKernelSize`` are kernel socket buffer sizes in bytes (0 = OS default).
 
     evflow's own keys: ``framing`` (evflow | raw, see FRAMINGS); ``curve`` (server |
-    client) with ``curveSecretKey`` (our ``.key_secret`` file), ``curveServerKey`` (a
-    client's: the server's ``.key`` file) and ``curveAllow`` (a server's: directory of
-    allowed clients' ``.key`` files; default the secret key's directory). See
-    :mod:`evflow.transport.curve`.
+    client | none; empty: CURVE on tcp when farm keys are configured, see
+    :mod:`evflow.transport.farmkeys`) with ``curveSecretKey`` (our ``.key_secret``
+    file), ``curveServerKey`` (a client's: the server's ``.key`` file) and
+    ``curveAllow`` (a server's: directory of allowed clients' ``.key`` files; default
+    the secret key's directory). See :mod:`evflow.transport.curve`.
     """
 
     name: str
@@ -134,8 +136,8 @@ def validate(cfg: ChannelConfig) -> None:
 def _validate_curve(cfg: ChannelConfig) -> None:
     name = cfg.name
     if cfg.curve not in CURVE_ROLES:
-        raise _bad(name, "curve", cfg.curve, "server or client (or empty for none)")
-    if not cfg.curve:
+        raise _bad(name, "curve", cfg.curve, "server, client or none")
+    if cfg.curve in ("", "none"):
         for key in ("curveSecretKey", "curveServerKey", "curveAllow"):
             if getattr(cfg, key):
                 raise ConfigurationError(

@@ -29,8 +29,13 @@ def outgoing(
     return None
 
 
+def raw_message(frames: Sequence[Any]) -> Message:
+    """What arrives on a raw channel: data, the frames as they are."""
+    return Message(MsgType.EVENTS, _NO_HEADER, frames)
+
+
 def incoming(ch: Channel, frames: list[Any], bad: BadMessageCounter) -> Message | None:
     """The message in ``frames`` received on ``ch`` (None: malformed, already counted)."""
     if ch.raw:
-        return Message(MsgType.EVENTS, _NO_HEADER, frames)
+        return raw_message(frames)
     return bad.decode(frames)

@@ -30,6 +30,7 @@ import zmq
 
 from evflow import errors
 from evflow.errors import ConfigurationError, EvflowError, ModuleError, PeerLostError
+from evflow.monitor import runhook
 from evflow.monitor.console import is_terminal
 from evflow.processing.chain import output_files
 from evflow.processing.options import ProcessOptions
@@ -141,6 +142,7 @@ class Parent:
         ctl = None
         proxy: BusProxy | None = None
         self.bus: BusClient | None = None
+        self.monitor: runhook.ActiveMonitor | None = None
         start = time.monotonic()
         self.started_at = time.time()
         try:
@@ -154,6 +156,8 @@ class Parent:
             self.bus = BusClient(ctx, "parallel", proxy.endpoints, state=self._bus_state)
             self.bus.handle("get-run", lambda args: self._progress())
             self.bus.publish_state(new="RUNNING")
+            # --dashboard / --report (monitor/runhook.py): a no-op unless asked for
+            self.monitor = runhook.on_bus(proxy.endpoints, self._monitor_info)
             # the first event needs the input and a worker; the output only its result
             self.pids[zygote.spawn(input_main, self.session, self.role_options, name="input")] = (
                 "input"
@@ -167,6 +171,7 @@ class Parent:
             wall_s = time.monotonic() - start
         finally:
             zygote.stop(grace_s=0.5)
+            runhook.on_end(self.monitor, ok=self.error is None and not self.signals)
             if self.bus is not None:
                 self.bus.close()
             if proxy is not None:
@@ -212,6 +217,10 @@ class Parent:
             "signals": len(self.signals),
             "elapsed_s": round(time.time() - self.started_at, 3),
         }
+
+    def _monitor_info(self) -> dict[str, Any]:
+        """For the dashboard's progress bar (monitor/runhook.py)."""
+        return {"total": self.role_options.get("progress_total"), "session": self.session}
 
     def _install_signals(self) -> Any:
         if threading.current_thread() is not threading.main_thread():

@@ -9,6 +9,7 @@ code its traceback is printed once before it), 2 bad command line, 130 interrupt
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -156,7 +157,7 @@ def monitor_request(args: argparse.Namespace) -> Any:
         prometheus_url=args.prometheus,
         linger_s=args.dashboard_linger,
         report_dir=report,
-        title=f"evflow run {args.steering}",
+        title=f"evflow run {os.path.basename(args.steering)}",
     )
 
 

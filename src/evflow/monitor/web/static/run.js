@@ -1,6 +1,14 @@
 // The run page: devices, graph, progress and rates, updated from the "run" SSE stream.
 "use strict";
-window.evRun = { updates: 0, last: null };
+// what the page has shown, per device: the states in the order seen and the pids
+window.evRun = { updates: 0, last: null, states: {}, pids: {} };
+
+function remember(d) {
+  const states = (window.evRun.states[d.id] = window.evRun.states[d.id] || []);
+  if (states[states.length - 1] !== d.state) states.push(d.state);
+  const pids = (window.evRun.pids[d.id] = window.evRun.pids[d.id] || []);
+  if (pids[pids.length - 1] !== d.pid) pids.push(d.pid);
+}
 
 function deviceRow(d) {
   const fill = d.queue_fill === null ? "-" : "";
@@ -42,7 +50,6 @@ function drawGraph(devices, edges) {
     const c = document.createElementNS(ns, "circle");
     c.setAttribute("cx", x); c.setAttribute("cy", y); c.setAttribute("r", 9);
     c.setAttribute("class", "state-" + d.state);
-    c.setAttribute("fill", getComputedStyle(document.body).getPropertyValue("--x") || "");
     c.style.fill = { RUNNING: "#16a34a", ERROR: "#dc2626", EXITING: "#6b7280" }[d.state] || "#d97706";
     const t = document.createElementNS(ns, "text");
     t.setAttribute("x", x + 12); t.setAttribute("y", y + 4); t.setAttribute("font-size", "11");
@@ -65,6 +72,7 @@ function showProgress(p) {
 function update(data) {
   window.evRun.updates += 1;
   window.evRun.last = data;
+  data.devices.forEach(remember);
   document.getElementById("title").textContent = data.title;
   document.getElementById("conn").textContent = "live, " + new Date(data.time * 1000).toLocaleTimeString();
   document.querySelector("#devices tbody").replaceChildren(...data.devices.map(deviceRow));

@@ -49,12 +49,18 @@ def need(binary: str, what: str) -> None:
 
 @contextmanager
 def slow_run(
-    tmp_path: Path, *, n_events: int, work_ms: float, port: int, args: list[str] = ()
+    tmp_path: Path,
+    *,
+    n_events: int,
+    work_ms: float,
+    port: int,
+    args: list[str] = (),
+    steering_text: str = STEERING,
 ) -> Iterator[tuple[subprocess.Popen[str], Path]]:
     """``evflow run -p 2 --dashboard PORT`` of a toy path; yields (process, output file)
     once the dashboard answers. The process is stopped (SIGKILL of its group) at exit."""
     steering = tmp_path / "slow_steering.py"
-    steering.write_text(STEERING)
+    steering.write_text(steering_text)
     out = tmp_path / "out.evf"
     env = {**os.environ, "N_EVENTS": str(n_events), "WORK_MS": str(work_ms), "OUT_FILE": str(out)}
     cmd = [sys.executable, "-m", "evflow", "run", str(steering), "-p", "2", "-q"]

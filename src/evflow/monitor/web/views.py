@@ -84,4 +84,5 @@ def run_view(store: MetricsStore) -> dict[str, Any]:
         "progress": progress(rows, info),
         "rate": {"t": [t for t, _ in rates], "events_hz": [v for _, v in rates]},
         "refused": store.bad + store.refused,
+        "run": {k: v for k, v in info.items() if isinstance(v, int | float | str) or v is None},
     }

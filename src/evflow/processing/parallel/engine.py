@@ -220,7 +220,11 @@ class Parent:
 
     def _monitor_info(self) -> dict[str, Any]:
         """For the dashboard's progress bar (monitor/runhook.py)."""
-        return {"total": self.role_options.get("progress_total"), "session": self.session}
+        return {
+            "total": self.role_options.get("progress_total"),
+            "session": self.session,
+            "workers_restarted": self.restarts,
+        }
 
     def _install_signals(self) -> Any:
         if threading.current_thread() is not threading.main_thread():

@@ -58,7 +58,7 @@ function drawGraph(devices, edges) {
   }
 }
 
-function showProgress(p) {
+function showProgress(p, run) {
   const box = document.getElementById("progress");
   if (!p) { box.hidden = true; return; }
   box.hidden = false;
@@ -66,7 +66,8 @@ function showProgress(p) {
   box.querySelector(".bar > div").style.width = (100 * frac).toFixed(1) + "%";
   const eta = p.eta_s === null ? "" : ", ETA " + p.eta_s.toFixed(0) + " s";
   document.getElementById("progress-text").textContent =
-    ev.fmt(p.done, 0) + (p.total ? " / " + ev.fmt(p.total, 0) : "") + " events, " + ev.fmt(p.rate_hz) + " events/s" + eta;
+    ev.fmt(p.done, 0) + (p.total ? " / " + ev.fmt(p.total, 0) : "") + " events, " + ev.fmt(p.rate_hz) + " events/s" + eta +
+    (run && run.workers_restarted ? ", workers restarted " + run.workers_restarted : "");
 }
 
 function update(data) {
@@ -77,7 +78,7 @@ function update(data) {
   document.getElementById("conn").textContent = "live, " + new Date(data.time * 1000).toLocaleTimeString();
   document.querySelector("#devices tbody").replaceChildren(...data.devices.map(deviceRow));
   drawGraph(data.devices, data.edges);
-  showProgress(data.progress);
+  showProgress(data.progress, data.run);
   const t = data.rate.t.map((s) => new Date(s * 1000));
   Plotly.react("rateplot", [{ x: t, y: data.rate.events_hz, mode: "lines", name: "events/s" }],
     { title: { text: "workers' event rate (events/s)", font: { size: 13 } }, margin: { t: 30, l: 50, r: 10, b: 30 } },

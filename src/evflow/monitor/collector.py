@@ -202,8 +202,9 @@ class MetricsStore:
             del self._nodes[n]
 
     # --- output ---------------------------------------------------------------------
-    def nodes(self) -> list[NodeRecord]:
-        """A consistent copy of every node (sorted by role, then id)."""
+    def nodes(self, with_history: bool = False) -> list[NodeRecord]:
+        """A consistent copy of every node (sorted by role, then id); the histories are
+        copied only when asked (a scrape does not need them)."""
         with self._lock:
             self._expire(self.wall())
             out = []
@@ -219,7 +220,8 @@ class MetricsStore:
                     dict(rec.metrics),
                     dict(rec.offsets),
                 )
-                copy.history = collections.deque(rec.history, maxlen=rec.history.maxlen)
+                if with_history:
+                    copy.history = collections.deque(rec.history, maxlen=rec.history.maxlen)
                 out.append(copy)
         out.sort(key=lambda r: (_role_rank(r.role()), _natural(r.node_id)))
         return out

@@ -74,6 +74,7 @@ function update(data) {
   window.evRun.updates += 1;
   window.evRun.last = data;
   data.devices.forEach(remember);
+  if (window.evRun.onUpdate) window.evRun.onUpdate(data); // a hook for measurements
   document.getElementById("title").textContent = data.title;
   document.getElementById("conn").textContent = "live, " + new Date(data.time * 1000).toLocaleTimeString();
   document.querySelector("#devices tbody").replaceChildren(...data.devices.map(deviceRow));

@@ -217,3 +217,59 @@ def test_static_report_has_metrics_and_qc_plots(tmp_path: Path, repo: Path) -> N
     pngs = sorted(p.name for p in page.parent.glob("*.png"))
     assert pngs == ["devices.png", "event_rate.png", "qc_hzz_pt.png"]
     assert all((page.parent / p).read_bytes()[:4] == b"\x89PNG" for p in pngs)
+
+
+def test_run_with_a_busy_dashboard_port_fails_before_it_starts(tmp_path: Path) -> None:
+    steering = tmp_path / "steering.py"
+    marker = tmp_path / "ran"
+    steering.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "evflow",
+                "run",
+                str(steering),
+                "-p",
+                "2",
+                "--dashboard",
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"evflow: error: dashboard: port {port} on 127.0.0.1 is in use by another program; "
+        "choose another with --dashboard PORT, or --dashboard auto for the next free one"
+    ]
+    assert not marker.exists()  # the steering file never ran
+    bad = subprocess.run(
+        [sys.executable, "-m", "evflow", "run", str(steering), "--dashboard", "80a"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 1
+    assert "--dashboard '80a': expected a port number (1-65535) or 'auto'" in bad.stderr
+
+
+def test_sequential_run_says_it_has_nothing_to_monitor(tmp_path: Path) -> None:
+    steering = tmp_path / "steering.py"
+    steering.write_text(
+        "import evflow\nfrom evflow.io.generators import ToyGenerator\n"
+        "evflow.process(evflow.Path([ToyGenerator(n_events=5)]), quiet=True)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "evflow", "run", str(steering), "--dashboard", "auto"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0
+    assert "--dashboard/--report need a parallel run (-p N with N >= 1)" in proc.stderr

@@ -49,10 +49,22 @@ used: list[ActiveMonitor] = []
 
 
 def request(monitor: RunMonitor | None) -> None:
-    """Ask the next parallel runs of this process for a dashboard/report (None: stop)."""
+    """Ask the next parallel runs of this process for a dashboard/report (None: stop).
+
+    With a port, the port is tried now (ConfigurationError when it is in use: before
+    the run starts anything) and the web modules are imported now, outside the run's
+    clock. The run binds it again when its bus is up: a socket bound here would be
+    inherited by the zygote and every worker forked from it.
+    """
     global _requested
-    _requested = monitor
+    release()
     used.clear()
+    if monitor is not None and monitor.port is not None:
+        from evflow.monitor.web.server import bind_socket
+
+        if monitor.port != "auto":
+            bind_socket(monitor.host, monitor.port).close()
+    _requested = monitor
 
 
 def release() -> None:

@@ -141,8 +141,13 @@ def start_dashboard(
     run_info: Callable[[], dict[str, Any]] | None = None,
     token: str | None = None,
     interval_s: float = 0.5,
+    sock: socket.socket | None = None,
 ) -> Dashboard:
-    """Collector on ``bus_endpoints`` + web server on ``host:port`` (see the module doc)."""
+    """Collector on ``bus_endpoints`` + web server on ``host:port`` (see the module doc).
+
+    ``sock``: a socket already bound with :func:`bind_socket` (then ``port`` is ignored),
+    so that a caller can fail on a busy port before it starts anything else.
+    """
     if repo is not None and not Path(repo).exists():
         raise ConfigurationError(
             f"dashboard: no QC repository at {repo} (the file does not exist; "
@@ -153,7 +158,8 @@ def start_dashboard(
     store = store if store is not None else MetricsStore()
     if run_info is not None:
         store.run_info = run_info
-    sock = bind_socket(host, port)
+    if sock is None:
+        sock = bind_socket(host, port)
     real_port = sock.getsockname()[1]
     collector = None
     try:

@@ -82,6 +82,12 @@ def test_run_page_shows_workers_and_a_restart_after_sigkill(page: Any, tmp_path:
         assert page.locator('tr[data-device="worker-1"] .restarts').inner_text() == "0"
         assert page.locator("#graph circle").count() >= 4  # input, 2 workers, output
         _wait(page, "!document.getElementById('progress').hidden")
+        # time per module over the last minutes: the worker path's BusyWork is there
+        _wait(
+            page,
+            "(document.getElementById('moduleplot').data || [])"
+            ".some(t => t.name.includes('Busy') && t.y.some(v => v > 0))",
+        )
         _shot(page, tmp_path, "dashboard-run.png")
         os.killpg(proc.pid, signal.SIGINT)  # an orderly stop of the rest of the run
         proc.wait(timeout=60)

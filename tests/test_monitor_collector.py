@@ -127,3 +127,15 @@ def test_collector_hears_publishers_on_a_real_bus(proxy: BusProxy) -> None:
             c.close()
         ctx.term()
         collector.stop()
+
+
+def test_module_times_are_counters_across_restarts_and_a_history() -> None:
+    now = [1000.0]
+    store = MetricsStore(host="h", wall=lambda: now[0])
+    store.ingest(MsgType.METRICS, _metrics("worker-0", 1, 5, module_time_s={"Busy": 2.0}))
+    now[0] += 1.5
+    store.ingest(MsgType.METRICS, _metrics("worker-0", 2, 1, module_time_s={"Busy": 0.5}))
+    samples = _scrape(store)
+    assert total(samples, "evflow_module_seconds_total", module="Busy") == 2.5
+    assert not any(n == "evflow_device_figure" and "Busy" in str(lab) for n, lab in samples)
+    assert [m for _, m in store.module_times()] == [{"Busy": 2.0}, {"Busy": 2.5}]

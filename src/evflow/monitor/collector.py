@@ -55,6 +55,9 @@ COUNTERS = (
     "timeouts",
 )
 #: figures kept in each node's history (one sample per metrics message)
+#: prefix of the flattened per-module wall times (``module_time_s`` maps of the roles)
+MODULE_PREFIX = "module_time_s:"
+MAX_MODULES = 64
 HISTORY_KEYS = ("events_in", "events_out", "events_in_hz", "events_out_hz", "cpu_percent", "rss_b")
 MAX_ID_CHARS = 128
 
@@ -116,6 +119,10 @@ class MetricsStore:
         self.rate_history: collections.deque[tuple[float, float]] = collections.deque(
             maxlen=history_len
         )
+        #: (wall s, {module: wall seconds summed over the workers}) per second
+        self.module_history: collections.deque[tuple[float, dict[str, float]]] = collections.deque(
+            maxlen=history_len
+        )
 
     # --- input ----------------------------------------------------------------------
     def ingest(self, kind: MsgType, header: Any) -> bool:
@@ -159,7 +166,8 @@ class MetricsStore:
         if isinstance(pid, int) and pid != rec.pid:
             if rec.pid:  # a new process under the same id: a restart
                 rec.restarts += 1
-                for key in COUNTERS:
+                modules = [k for k in rec.metrics if k.startswith(MODULE_PREFIX)]
+                for key in (*COUNTERS, *modules):
                     rec.offsets[key] = rec.offsets.get(key, 0.0) + _number(rec.metrics.get(key))
             rec.pid = pid
         host = metrics.get("host")
@@ -173,6 +181,11 @@ class MetricsStore:
         if isinstance(extra, dict):  # ProcessMetrics.extra: the owner's own figures
             for k, v in extra.items():
                 flat.setdefault(k, v)
+        modules = metrics.get("module_time_s")
+        if isinstance(modules, dict):
+            for name, seconds in list(modules.items())[:MAX_MODULES]:
+                flat[MODULE_PREFIX + str(name)[:64]] = _number(seconds)
+            del flat["module_time_s"]
         rec.metrics = flat
         rates = metrics.get("rates") if isinstance(metrics.get("rates"), dict) else {}
         sample = {
@@ -191,10 +204,19 @@ class MetricsStore:
         if self.rate_history and now - self.rate_history[-1][0] < 1.0:
             return
         total = 0.0
+        modules: dict[str, float] = {}
         for rec in self._nodes.values():
-            if rec.role() == "worker" and rec.history and now - rec.last_seen_s < 5.0:
+            if rec.role() != "worker":
+                continue
+            if rec.history and now - rec.last_seen_s < 5.0:
                 total += rec.history[-1][1]["events_in_hz"]
+            for key in rec.metrics.keys() | rec.offsets.keys():
+                if key.startswith(MODULE_PREFIX):
+                    name = key[len(MODULE_PREFIX) :]
+                    modules[name] = modules.get(name, 0.0) + rec.counter(key)
         self.rate_history.append((now, total))
+        if modules:
+            self.module_history.append((now, modules))
 
     def _expire(self, now: float) -> None:
         gone = [n for n, r in self._nodes.items() if now - r.last_seen_s > self.expire_s]
@@ -237,10 +259,16 @@ class MetricsStore:
         with self._lock:
             return list(self.rate_history)
 
+    def module_times(self) -> list[tuple[float, dict[str, float]]]:
+        """Per second: each module's wall time summed over the workers (monotonic)."""
+        with self._lock:
+            return list(self.module_history)
+
     def forget(self) -> None:
         with self._lock:
             self._nodes.clear()
             self.rate_history.clear()
+            self.module_history.clear()
 
 
 class BusCollector:

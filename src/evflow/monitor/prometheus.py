@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from evflow.monitor.collector import MetricsStore, NodeRecord, _number
+from evflow.monitor.collector import MODULE_PREFIX, MetricsStore, NodeRecord, _number
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LABELS = ("device", "host", "role")
@@ -104,6 +104,7 @@ class StoreCollector(Collector):
         yield from self._fill(nodes)
         yield from self._states(nodes, now)
         yield from self._channels(nodes)
+        yield from self._modules(nodes)
         yield from self._others(nodes)
         own = GaugeMetricFamily("evflow_monitor_devices", "Devices the collector knows")
         own.add_metric([], len(nodes))
@@ -160,6 +161,18 @@ class StoreCollector(Collector):
                     fam.add_metric([*_labels(rec), str(label)[:64]], _number(ch.get(key)))
         yield from fams.values()
 
+    def _modules(self, nodes: list[NodeRecord]) -> Iterator[Metric]:
+        fam = CounterMetricFamily(
+            "evflow_module_seconds",
+            "Wall time spent in each module's event() (monotonic across restarts)",
+            labels=[*LABELS, "module"],
+        )
+        for rec in nodes:
+            for key in sorted(rec.metrics.keys() | rec.offsets.keys()):
+                if key.startswith(MODULE_PREFIX):
+                    fam.add_metric([*_labels(rec), key[len(MODULE_PREFIX) :]], rec.counter(key))
+        yield fam
+
     def _others(self, nodes: list[NodeRecord]) -> Iterator[Metric]:
         """Numeric figures without a name of their own (merger, event builder, ...)."""
         fam = GaugeMetricFamily(
@@ -171,6 +184,8 @@ class StoreCollector(Collector):
             n = 0
             for key, value in rec.metrics.items():
                 if key in _SKIP or isinstance(value, bool) or not isinstance(value, int | float):
+                    continue
+                if key.startswith(MODULE_PREFIX):
                     continue
                 fam.add_metric([*_labels(rec), _NAME_RE.sub("_", str(key))[:64]], _number(value))
                 n += 1

@@ -76,6 +76,8 @@ def run_view(store: MetricsStore) -> dict[str, Any]:
     info = store.run_info() if store.run_info is not None else {}
     edges = info.get("edges") or edges_of(rows)
     rates = store.rates()[-120:]
+    modules = store.module_times()[-120:]
+    names = sorted({m for _, times in modules for m in times})
     return {
         "time": time.time(),
         "title": info.get("title", "evflow"),
@@ -83,6 +85,11 @@ def run_view(store: MetricsStore) -> dict[str, Any]:
         "edges": edges,
         "progress": progress(rows, info),
         "rate": {"t": [t for t, _ in rates], "events_hz": [v for _, v in rates]},
+        # cumulative seconds per module (all workers); the page plots their rate
+        "modules": {
+            "t": [t for t, _ in modules],
+            "s": {m: [times.get(m, 0.0) for _, times in modules] for m in names},
+        },
         "refused": store.bad + store.refused,
         "run": {k: v for k, v in info.items() if isinstance(v, int | float | str) or v is None},
     }

@@ -84,6 +84,19 @@ function update(data) {
   Plotly.react("rateplot", [{ x: t, y: data.rate.events_hz, mode: "lines", name: "events/s" }],
     { title: { text: "workers' event rate (events/s)", font: { size: 13 } }, margin: { t: 30, l: 50, r: 10, b: 30 } },
     { displayModeBar: false });
+  if (data.modules && data.modules.t.length > 1) plotModules(data.modules);
+}
+
+// per-module busy time: d(seconds in event())/dt summed over the workers (1 = one core)
+function plotModules(m) {
+  const traces = Object.entries(m.s).map(([name, secs]) => ({
+    x: m.t.slice(1).map((s) => new Date(s * 1000)),
+    y: secs.slice(1).map((v, i) => Math.max(0, (v - secs[i]) / Math.max(1e-9, m.t[i + 1] - m.t[i]))),
+    mode: "lines", name: name,
+  }));
+  Plotly.react("moduleplot", traces,
+    { title: { text: "time in each module (s per s, all workers)", font: { size: 13 } },
+      margin: { t: 30, l: 50, r: 10, b: 30 }, showlegend: true }, { displayModeBar: false });
 }
 
 async function history() {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from _monitor_helpers import events_in, free_port, prometheus, query, slow_run
@@ -28,7 +29,7 @@ def test_prometheus_scrapes_a_parallel_run_and_counts_every_event(tmp_path: Path
             n_events=N_EVENTS,
             work_ms=6.0,
             port=port,
-            args=["--dashboard-linger", "12"],
+            args=["--dashboard-linger", "12", "--prometheus", url],
         ) as (proc, out),
     ):
         assert proc.stderr is not None
@@ -54,4 +55,13 @@ def test_prometheus_scrapes_a_parallel_run_and_counts_every_event(tmp_path: Path
         devices = {r["metric"]["device"] for r in query(url, "evflow_events_processed_total")}
         assert {"input", "worker-0", "worker-1", "output"} <= devices
         assert _value(url, 'sum(evflow_events_out_total{device="output"})') == written
+        # with --prometheus, the dashboard's history plot reads from it
+        history = httpx.get(
+            f"http://127.0.0.1:{port}/api/history",
+            params={"device": "output", "key": "events_out", "minutes": "5"},
+            timeout=10,
+        ).json()
+        assert history["source"] == "prometheus"
+        assert history["query"] == 'evflow_events_out_total{device="output"}'
+        assert history["v"] and history["v"][-1] == written
         assert proc.wait(timeout=40) == 0

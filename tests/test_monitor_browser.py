@@ -77,6 +77,9 @@ def test_run_page_shows_workers_and_a_restart_after_sigkill(page: Any, tmp_path:
             "document.querySelector('tr[data-device=\"worker-0\"] .restarts').textContent === '1'",
         )
         _wait(page, "window.evRun.last.devices.find(d => d.id === 'worker-0').state === 'RUNNING'")
+        # the row shows the restart as a state of its own for a while
+        assert page.locator('tr[data-device="worker-0"] .state-RESTARTED').count() == 1
+        assert page.locator('tr[data-device="worker-1"] .state-RESTARTED').count() == 0
         pids = page.evaluate("window.evRun.pids['worker-0']")
         assert pids[0] == victim and pids[-1] != victim  # the page shows the replacement
         assert page.locator('tr[data-device="worker-1"] .restarts').inner_text() == "0"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ def _value(url: str, promql: str) -> float | None:
 
 def test_prometheus_scrapes_a_parallel_run_and_counts_every_event(tmp_path: Path) -> None:
     port = free_port()
+    report = tmp_path / "report"
     with (
         prometheus(tmp_path, port) as url,
         slow_run(
@@ -29,7 +31,7 @@ def test_prometheus_scrapes_a_parallel_run_and_counts_every_event(tmp_path: Path
             n_events=N_EVENTS,
             work_ms=6.0,
             port=port,
-            args=["--dashboard-linger", "12", "--prometheus", url],
+            args=["--dashboard-linger", "12", "--prometheus", url, "--report", str(report)],
         ) as (proc, out),
     ):
         assert proc.stderr is not None
@@ -65,3 +67,8 @@ def test_prometheus_scrapes_a_parallel_run_and_counts_every_event(tmp_path: Path
         assert history["query"] == 'evflow_events_out_total{device="output"}'
         assert history["v"] and history["v"][-1] == written
         assert proc.wait(timeout=40) == 0
+    # the static report: the workers' final counts add up to the events written
+    text = (report / "index.html").read_text()
+    rows = re.findall(r"<tr><td>(worker-\d)</td>(?:<td>[^<]*</td>){4}<td>([\d.]+)</td>", text)
+    assert len(rows) == 2 and sum(float(n) for _, n in rows) == written
+    assert (report / "event_rate.png").read_bytes()[:4] == b"\x89PNG"

@@ -71,6 +71,7 @@ class NodeRecord:
     state: str = ""
     pid: int = 0
     restarts: int = 0
+    restarted_s: float = 0.0  # wall clock of the last restart seen (0: never)
     first_seen_s: float = 0.0
     last_seen_s: float = 0.0  # wall clock of the last message
     metrics: dict[str, Any] = field(default_factory=dict)
@@ -166,6 +167,7 @@ class MetricsStore:
         if isinstance(pid, int) and pid != rec.pid:
             if rec.pid:  # a new process under the same id: a restart
                 rec.restarts += 1
+                rec.restarted_s = now
                 modules = [k for k in rec.metrics if k.startswith(MODULE_PREFIX)]
                 for key in (*COUNTERS, *modules):
                     rec.offsets[key] = rec.offsets.get(key, 0.0) + _number(rec.metrics.get(key))
@@ -237,6 +239,7 @@ class MetricsStore:
                     rec.state,
                     rec.pid,
                     rec.restarts,
+                    rec.restarted_s,
                     rec.first_seen_s,
                     rec.last_seen_s,
                     dict(rec.metrics),

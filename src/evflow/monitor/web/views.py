@@ -29,6 +29,8 @@ def device_row(rec: NodeRecord, now: float) -> dict[str, Any]:
         "pid": rec.pid,
         "process": str(m.get("process_name", ""))[:64],
         "restarts": rec.restarts,
+        # seconds since the last restart (None: never), the page marks recent ones
+        "restarted_ago_s": round(now - rec.restarted_s, 1) if rec.restarted_s else None,
         "events_in": rec.counter("events_in"),
         "events_out": rec.counter("events_out"),
         "msg_in_hz": _number(rates.get("messages_in_hz")),

@@ -10,11 +10,16 @@ function remember(d) {
   if (pids[pids.length - 1] !== d.pid) pids.push(d.pid);
 }
 
+// a restart stays marked this long (s) after the collector saw the new process
+const RECENT_S = 15;
+
 function deviceRow(d) {
   const fill = d.queue_fill === null ? "-" : "";
   const tr = ev.el("tr", { "data-device": d.id, class: d.stale ? "stale" : "" },
     ev.el("td", {}, d.id), ev.el("td", { class: "host" }, d.host), ev.el("td", { class: "role" }, d.role),
-    ev.el("td", {}, ev.el("span", { class: "state state-" + d.state, "data-state": d.state }, d.state)),
+    ev.el("td", {}, ev.el("span", { class: "state state-" + d.state, "data-state": d.state }, d.state),
+      ...(d.restarted_ago_s !== null && d.restarted_ago_s < RECENT_S
+        ? [" ", ev.el("span", { class: "state state-RESTARTED", title: d.restarted_ago_s + " s ago" }, "RESTARTED")] : [])),
     ev.el("td", {}, ev.fmt(d.msg_in_hz)), ev.el("td", {}, ev.fmt(d.msg_out_hz)),
     ev.el("td", {}, ev.fmt(d.events_in_hz)), ev.el("td", { class: "events" }, ev.fmt(d.events_in, 0)),
     ev.el("td", {}, fill || ev.el("div", { class: "bar", title: (100 * d.queue_fill).toFixed(0) + "%" },

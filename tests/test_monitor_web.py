@@ -273,3 +273,20 @@ def test_sequential_run_says_it_has_nothing_to_monitor(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0
     assert "--dashboard/--report need a parallel run (-p N with N >= 1)" in proc.stderr
+
+
+def test_dashboard_command_refuses_a_session_without_a_bus_and_no_target() -> None:
+    for argv, expected in (
+        (["--session", "nope-1"], "evflow: error: no bus in session 'nope-1' (sessions with"),
+        ([], "evflow: error: evflow dashboard needs something to show: --bus PUB,SUB"),
+        (["--bus", "http://x"], "evflow: error: invalid bus address 'http://x'"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "evflow", "dashboard", *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 1, argv
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(expected), lines

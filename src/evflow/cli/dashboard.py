@@ -42,10 +42,16 @@ def register(subparsers: Any) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     from evflow.monitor.web.server import parse_port, start_dashboard
-    from evflow.runtime.busclient import BusEndpoints
+    from evflow.runtime.busclient import BusEndpoints, find_bus_sessions
 
     buses = [BusEndpoints.parse(b) for b in args.bus]
     if args.session:
+        if args.session not in find_bus_sessions():
+            found = ", ".join(find_bus_sessions()) or "none"
+            raise ConfigurationError(
+                f"no bus in session {args.session!r} (sessions with a bus here: {found}; "
+                "is the run still going? give a remote bus with --bus PUB,SUB)"
+            )
         buses.append(BusEndpoints.for_session(args.session))
     if not buses and args.repo is None:
         raise ConfigurationError(

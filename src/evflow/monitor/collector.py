@@ -59,6 +59,7 @@ COUNTERS = (
 MODULE_PREFIX = "module_time_s:"
 MAX_MODULES = 64
 HISTORY_KEYS = ("events_in", "events_out", "events_in_hz", "events_out_hz", "cpu_percent", "rss_b")
+_EVENTS_IN_HZ = HISTORY_KEYS.index("events_in_hz")
 MAX_ID_CHARS = 128
 
 
@@ -76,8 +77,9 @@ class NodeRecord:
     last_seen_s: float = 0.0  # wall clock of the last message
     metrics: dict[str, Any] = field(default_factory=dict)
     offsets: dict[str, float] = field(default_factory=dict)
-    history: collections.deque[tuple[float, dict[str, float]]] = field(
-        default_factory=lambda: collections.deque(maxlen=600)
+    #: (wall s, figures in the order of HISTORY_KEYS): tuples, not dicts, to stay small
+    history: collections.deque[tuple[float, tuple[float, ...]]] = field(
+        default_factory=lambda: collections.deque(maxlen=300)
     )
 
     def counter(self, key: str) -> float:
@@ -98,7 +100,7 @@ class MetricsStore:
         self,
         *,
         host: str | None = None,
-        history_len: int = 600,
+        history_len: int = 300,
         expire_s: float = 600.0,
         max_nodes: int = 4096,
         wall: Callable[[], float] = time.time,
@@ -190,14 +192,14 @@ class MetricsStore:
             del flat["module_time_s"]
         rec.metrics = flat
         rates = metrics.get("rates") if isinstance(metrics.get("rates"), dict) else {}
-        sample = {
-            "events_in": rec.counter("events_in"),
-            "events_out": rec.counter("events_out"),
-            "events_in_hz": _number(rates.get("events_in_hz")),
-            "events_out_hz": _number(rates.get("events_out_hz")),
-            "cpu_percent": _number(metrics.get("cpu_percent")),
-            "rss_b": _number(metrics.get("VmRSS")) * 1024,
-        }
+        sample = (  # in the order of HISTORY_KEYS
+            rec.counter("events_in"),
+            rec.counter("events_out"),
+            _number(rates.get("events_in_hz")),
+            _number(rates.get("events_out_hz")),
+            _number(metrics.get("cpu_percent")),
+            _number(metrics.get("VmRSS")) * 1024,
+        )
         rec.history.append((now, sample))
         self._note_rate(now)
 
@@ -211,7 +213,7 @@ class MetricsStore:
             if rec.role() != "worker":
                 continue
             if rec.history and now - rec.last_seen_s < 5.0:
-                total += rec.history[-1][1]["events_in_hz"]
+                total += rec.history[-1][1][_EVENTS_IN_HZ]
             for key in rec.metrics.keys() | rec.offsets.keys():
                 if key.startswith(MODULE_PREFIX):
                     name = key[len(MODULE_PREFIX) :]
@@ -252,11 +254,13 @@ class MetricsStore:
         return out
 
     def history(self, node_id: str, key: str) -> list[tuple[float, float]]:
+        """``(wall s, value)`` of one of HISTORY_KEYS for ``node_id`` (oldest first)."""
+        i = HISTORY_KEYS.index(key)
         with self._lock:
             rec = self._nodes.get(node_id)
             if rec is None:
                 return []
-            return [(t, s.get(key, 0.0)) for t, s in rec.history]
+            return [(t, s[i]) for t, s in rec.history]
 
     def rates(self) -> list[tuple[float, float]]:
         with self._lock:

@@ -290,3 +290,24 @@ def test_dashboard_command_refuses_a_session_without_a_bus_and_no_target() -> No
         assert proc.returncode == 1, argv
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(expected), lines
+
+
+def test_ctrl_c_ends_the_linger_of_a_complete_run_with_exit_0(tmp_path: Path) -> None:
+    import os
+    import signal
+
+    steering = tmp_path / "steering.py"
+    steering.write_text(
+        "import evflow\nfrom evflow.io.generators import ToyGenerator, BusyWork\n"
+        "evflow.process(evflow.Path([ToyGenerator(n_events=50), BusyWork(work_ms=0.1)]),"
+        f" output={str(tmp_path / 'out.evf')!r})\n"
+    )
+    cmd = [sys.executable, "-m", "evflow", "run", str(steering), "-p", "2", "-q"]
+    cmd += ["--dashboard", "auto", "--dashboard-linger", "60"]
+    with subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True) as proc:
+        assert proc.stderr is not None
+        assert proc.stderr.readline().startswith("evflow: dashboard at http://127.0.0.1:")
+        assert proc.stderr.readline().startswith("evflow: run done; the dashboard stays up 60 s")
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=20) == 0
+        assert proc.stderr.read() == ""

@@ -108,8 +108,9 @@ def on_bus(endpoints: BusEndpoints, info: Callable[[], dict[str, Any]]) -> Activ
     return active
 
 
-def on_end(active: ActiveMonitor | None, ok: bool) -> None:
-    """The roles have exited: linger (if asked and the run went well), report, stop."""
+def on_end(active: ActiveMonitor | None, ok: bool, cut: Callable[[], bool] = lambda: False) -> None:
+    """The roles have exited: linger (if asked and the run went well; ``cut()`` True,
+    e.g. after Ctrl-C, ends it early), report, stop. Never raises into the run."""
     if active is None:
         return
     req = active.request
@@ -121,7 +122,9 @@ def on_end(active: ActiveMonitor | None, ok: bool) -> None:
                 file=sys.stderr,
                 flush=True,
             )
-            time.sleep(req.linger_s)
+            deadline = time.monotonic() + req.linger_s
+            while time.monotonic() < deadline and not cut():
+                time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
         elif ok:
             time.sleep(0.3)  # the roles' final metrics are still on their way
         if req.report_dir is not None:
@@ -134,7 +137,10 @@ def on_end(active: ActiveMonitor | None, ok: bool) -> None:
                 log.error("the run's report was not written: %s", exc, exc_info=True)
                 print(f"evflow: warning: no report: {exc}", file=sys.stderr, flush=True)
     finally:
-        if active.dashboard is not None:
-            active.dashboard.stop()
-        if active.collector is not None:
-            active.collector.stop()
+        try:
+            if active.dashboard is not None:
+                active.dashboard.stop()
+            if active.collector is not None:
+                active.collector.stop()
+        except Exception as exc:  # the run's own outcome must not be masked
+            log.error("stopping the dashboard failed: %s", exc, exc_info=True)

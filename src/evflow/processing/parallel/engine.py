@@ -171,7 +171,8 @@ class Parent:
             wall_s = time.monotonic() - start
         finally:
             zygote.stop(grace_s=0.5)
-            runhook.on_end(self.monitor, ok=self.error is None and not self.signals)
+            ok = self.error is None and not self.signals
+            runhook.on_end(self.monitor, ok=ok, cut=self._linger_cut)
             if self.bus is not None:
                 self.bus.close()
             if proxy is not None:
@@ -225,6 +226,14 @@ class Parent:
             "session": self.session,
             "workers_restarted": self.restarts,
         }
+
+    def _linger_cut(self) -> bool:
+        """Ctrl-C while the dashboard lingers after a complete run ends the linger, not
+        the run (which is done: no exit code 130 for it)."""
+        if not self.signals:
+            return False
+        self.signals.clear()
+        return True
 
     def _install_signals(self) -> Any:
         if threading.current_thread() is not threading.main_thread():

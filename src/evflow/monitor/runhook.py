@@ -73,10 +73,6 @@ def release() -> None:
     _requested = None
 
 
-def requested() -> RunMonitor | None:
-    return _requested
-
-
 def on_bus(endpoints: BusEndpoints, info: Callable[[], dict[str, Any]]) -> ActiveMonitor | None:
     """The run's bus is up: start the collector (and the dashboard when asked)."""
     req = _requested

@@ -11,6 +11,7 @@ stopped at the first), 130 interrupted (143 for SIGTERM).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -106,6 +107,7 @@ def register(subparsers: Any) -> None:
         "only their place over the sockets (faster for events of 64 kB and more; "
         "modules must copy arrays they keep after event()); default zmq",
     )
+    add_monitor_options(parser)
     parser.add_argument(
         "--event-timeout",
         type=non_negative_float,
@@ -174,9 +176,66 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
+def add_monitor_options(parser: argparse.ArgumentParser) -> None:
+    """``--dashboard``, ``--report`` and friends (monitor/runhook.py; parallel runs)."""
+    g = parser.add_argument_group("monitoring (parallel runs, see docs/monitoring.md)")
+    g.add_argument(
+        "--dashboard",
+        metavar="PORT",
+        default=None,
+        help="serve the live dashboard and /metrics on 127.0.0.1:PORT ('auto': the first "
+        "free port from 8050)",
+    )
+    g.add_argument(
+        "--dashboard-host",
+        default="127.0.0.1",
+        metavar="ADDR",
+        help="address to bind the dashboard to (not loopback: a token is required in the URL)",
+    )
+    g.add_argument(
+        "--dashboard-linger",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="keep the dashboard up S seconds after the run (a last scrape, a last look)",
+    )
+    g.add_argument("--qc-repo", default=None, metavar="PATH", help="QC repository to show/report")
+    g.add_argument("--prometheus", default=None, metavar="URL", help="read history from Prometheus")
+    g.add_argument(
+        "--report", default=None, metavar="DIR", help="write an HTML report with PNG plots to DIR"
+    )
+
+
+def monitor_request(args: argparse.Namespace) -> Any:
+    """The RunMonitor the options ask for, or None."""
+    port = getattr(args, "dashboard", None)
+    report = getattr(args, "report", None)
+    if port is None and report is None:
+        return None
+    from evflow.monitor.runhook import RunMonitor
+    from evflow.monitor.web.server import parse_port
+
+    if args.dashboard_linger < 0:
+        raise EvflowError(f"--dashboard-linger {args.dashboard_linger}: expected seconds >= 0")
+    return RunMonitor(
+        port=None if port is None else parse_port(port),
+        host=args.dashboard_host,
+        repo=args.qc_repo,
+        prometheus_url=args.prometheus,
+        linger_s=args.dashboard_linger,
+        report_dir=report,
+        title=f"evflow run {os.path.basename(args.steering)}",
+    )
+
+
 def handle(args: argparse.Namespace) -> int:
     from evflow.processing.steering import run_steering
 
+    monitor = monitor_request(args)
+    if monitor is not None:
+        from evflow.monitor import runhook
+
+        runhook.request(monitor)
     try:
         summaries = run_steering(args.steering, overrides_from(args), argv=args.args)
     except ModuleError as exc:
@@ -189,6 +248,15 @@ def handle(args: argparse.Namespace) -> int:
     except EvflowError as exc:
         show_user_traceback(exc)
         raise  # the dispatcher prints the one-line error and returns 1
+    finally:
+        if monitor is not None:
+            runhook.release()  # later runs in this process are not monitored
+    if monitor is not None and not runhook.used:
+        print(
+            "evflow: warning: --dashboard/--report need a parallel run (-p N with N >= 1); "
+            "this run had no bus to monitor",
+            file=sys.stderr,
+        )
     failed = [s for s in summaries if s.events_failed]
     if failed:
         n = sum(s.events_quarantined for s in failed)

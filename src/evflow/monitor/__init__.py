@@ -1,1 +1,1 @@
-"""evflow.monitor layer."""
+"""Monitoring: the terminal progress bar, the metrics collector, /metrics and the web dashboard."""

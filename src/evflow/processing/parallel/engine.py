@@ -30,6 +30,7 @@ import zmq
 
 from evflow import errors
 from evflow.errors import ConfigurationError, EvflowError, ModuleError, PeerLostError
+from evflow.monitor import runhook
 from evflow.monitor.console import is_terminal
 from evflow.processing.chain import output_files
 from evflow.processing.failures import groups_from
@@ -157,6 +158,7 @@ class Parent:
         ctl = None
         proxy: BusProxy | None = None
         self.bus: BusClient | None = None
+        self.monitor: runhook.ActiveMonitor | None = None
         start = time.monotonic()
         self.started_at = time.time()
         try:
@@ -170,6 +172,8 @@ class Parent:
             self.bus = BusClient(ctx, "parallel", proxy.endpoints, state=self._bus_state)
             self.bus.handle("get-run", lambda args: self._progress())
             self.bus.publish_state(new="RUNNING")
+            # --dashboard / --report (monitor/runhook.py): a no-op unless asked for
+            self.monitor = runhook.on_bus(proxy.endpoints, self._monitor_info)
             # the first event needs the input and a worker; the output only its result
             self.pids[zygote.spawn(input_main, self.session, self.role_options, name="input")] = (
                 "input"
@@ -183,6 +187,8 @@ class Parent:
             wall_s = time.monotonic() - start
         finally:
             zygote.stop(grace_s=0.5)
+            ok = self.error is None and not self.signals
+            runhook.on_end(self.monitor, ok=ok, cut=self._linger_cut)
             if self.bus is not None:
                 self.bus.close()
             if proxy is not None:
@@ -230,6 +236,22 @@ class Parent:
             "signals": len(self.signals),
             "elapsed_s": round(time.time() - self.started_at, 3),
         }
+
+    def _monitor_info(self) -> dict[str, Any]:
+        """For the dashboard's progress bar (monitor/runhook.py)."""
+        return {
+            "total": self.role_options.get("progress_total"),
+            "session": self.session,
+            "workers_restarted": self.restarts,
+        }
+
+    def _linger_cut(self) -> bool:
+        """Ctrl-C while the dashboard lingers after a complete run ends the linger, not
+        the run (which is done: no exit code 130 for it)."""
+        if not self.signals:
+            return False
+        self.signals.clear()
+        return True
 
     def _install_signals(self) -> Any:
         if threading.current_thread() is not threading.main_thread():

@@ -219,9 +219,15 @@ class RoleBus:
 
     # --- the end --------------------------------------------------------------------
     def close(self, state: State | str = State.EXITING) -> None:
-        """Publish ``state`` (EXITING, or ERROR when failing) and close the client."""
+        """Publish the final metrics, then ``state`` (EXITING, or ERROR when failing),
+        and close the client."""
         if self.client is None:
             return
+        try:  # the final counters: a collector's totals must match what the role did
+            self._refresh()
+            self.client.publish_metrics(self)
+        except Exception as exc:
+            self._failed("final metrics", exc)
         if self.state != str(State.ERROR):
             self.set_state(state)
         client, self.client = self.client, None

@@ -273,6 +273,8 @@ class _Worker:
             "events_out": self.events_kept,
             "first_event_at": self.first_event_at,
             "bad_messages": self.bad.total,
+            # per-module wall time, for the dashboard's module plot (a few modules)
+            "module_time_s": {s.module: round(s.time_s, 6) for s in self.chain.statistics()},
         }
 
     def _over_memory(self) -> bool:

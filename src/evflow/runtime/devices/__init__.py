@@ -14,6 +14,7 @@ BUILTIN_DEVICES: dict[str, str] = {
     "splitter": "evflow.runtime.devices.forward:Splitter",
     "merger": "evflow.runtime.devices.forward:Merger",
     "proxy": "evflow.runtime.devices.forward:Proxy",
+    "eventbuilder": "evflow.hlt.builder_device:EventBuilderDevice",
 }
 
 __all__ = ["BUILTIN_DEVICES"]

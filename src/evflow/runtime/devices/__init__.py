@@ -15,6 +15,7 @@ BUILTIN_DEVICES: dict[str, str] = {
     "merger": "evflow.runtime.devices.forward:Merger",
     "proxy": "evflow.runtime.devices.forward:Proxy",
     "eventbuilder": "evflow.hlt.builder_device:EventBuilderDevice",
+    "replay": "evflow.hlt.replay_device:ReplayDevice",
 }
 
 __all__ = ["BUILTIN_DEVICES"]

@@ -13,8 +13,9 @@ Per event the module first picks up finished results (never waits), then applies
 newest constants, then hands this event's input over. Every event gets
 ``<name>_version`` (0 before any result; then 1, 2, ... per process) and the first
 event a version is applied to also gets ``<name>_from_event`` (the event whose input
-produced it) and ``<name>_first`` = True: the update is recorded with the event
-number it was first applied to (``updates`` holds the same, per process). Counters
+produced it), ``<name>_process`` (the pid that applied it) and ``<name>_first`` =
+True: the update is recorded with the event number it was first applied to
+(``updates`` holds the same, per process). Counters
 go to ``store.persistent`` (summed over workers in a parallel run): ``<name>_calls``,
 ``_results``, ``_failures``, ``_restarts``, ``_skipped``. Each process (the sequential
 run, or every parallel worker) has its own task process.
@@ -101,6 +102,7 @@ class AsyncTaskModule(Module):
             )
             store[f"{prefix}_first"] = True
             store[f"{prefix}_from_event"] = int(newest.tag)
+            store[f"{prefix}_process"] = os.getpid()
         store[f"{prefix}_version"] = self.version
         keep = self.apply(store, self.constants)
         data = self.inputs(store)

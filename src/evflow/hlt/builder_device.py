@@ -17,6 +17,7 @@ fragment came for ``end_timeout_s`` after at least one source ended.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -139,6 +140,7 @@ class EventBuilderInput(_Params, Source):
     session = Param(str, "default", "ipc session directory for relative ipc addresses")
     experiment = Param(int, 0, "experiment number in every event's meta")
     run = Param(int, 0, "run number in every event's meta")
+    stats_file = Param(str, "", "write the builder's figures here (JSON) at the end")
 
     def __init__(self, name: str | None = None, merge: Merge | None = None, **params: Any):
         super().__init__(name, **params)
@@ -169,5 +171,9 @@ class EventBuilderInput(_Params, Source):
                     return
         finally:
             self.summary = recv.metrics()
+            if self.stats_file:
+                with open(self.stats_file, "w") as f:
+                    json.dump(self.summary, f)
+            log.info("%s", builder.summary_line())
             recv.close()
             ctx.term()

@@ -28,11 +28,12 @@ from typing import Any
 from evflow.errors import CodecError, InputError, ParameterError
 from evflow.params import Param
 from evflow.processing.datastore import DataStore, EventMeta
-from evflow.processing.module import Source
+from evflow.processing.module import Module, Source
 from evflow.wire._raw import pack_frames, unpack_frames
 from evflow.wire.codec import decode_event, encode_event
 
 __all__ = [
+    "JoinFragments",
     "ReplayInput",
     "ReplayReport",
     "Timeline",
@@ -83,6 +84,29 @@ def join_fragments(event_id: int, fragments: dict[int, Any]) -> dict[str, Any]:
         return dict(decode_event(unpack_frames(data)).objects)
     except CodecError:
         return {}  # pieces missing: the event says so in hlt_state/hlt_missing
+
+
+class JoinFragments(Module):
+    """In the workers: a built event's ``frag_*`` pieces joined back into the replayed
+    event (the same as :func:`join_fragments` in the builder, but in parallel).
+
+    A complete event's store then holds the replayed objects plus ``hlt_state`` and
+    ``hlt_missing``; an incomplete one keeps its pieces, or is dropped with
+    ``drop_incomplete``.
+    """
+
+    parallel = True
+    drop_incomplete = Param(bool, True, "drop events the builder flagged incomplete")
+
+    def event(self, store: DataStore) -> bool | None:
+        if store["hlt_state"] != 0:
+            return False if self.drop_incomplete else None
+        keys = sorted((k for k in store if k.startswith("frag_")), key=lambda k: int(k[5:]))
+        objects = join_fragments(0, {i: memoryview(store[k]) for i, k in enumerate(keys)})
+        for k in keys:
+            del store[k]
+        store.objects.update(objects)
+        return None
 
 
 class Timeline:

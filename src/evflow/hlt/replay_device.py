@@ -43,6 +43,7 @@ class ReplayDevice(Device):
     passes = Param(int, 1, "passes over the file (0: for ever)")
     events = Param(int, 0, "stop after this many events (0: passes decide)")
     tree = Param(str, "events", "TTree of a ROOT file")
+    branches = Param(str, "", "comma-separated branches of a ROOT file (empty: all)")
     streams = Param(int, 0, "fragment streams for an event builder (0: whole events)")
     builder = Param(str, "", "event builder address (with streams > 0)")
     max_batch = Param(int, 256, "events sent together at most")
@@ -56,7 +57,8 @@ class ReplayDevice(Device):
             )
         if self.streams and not self.builder:
             raise ParameterError(f"device {self.id!r}: streams > 0 needs --builder ADDRESS")
-        stores = load_events(self.file, self.tree)
+        branches = [b for b in self.branches.split(",") if b] or None
+        stores = load_events(self.file, self.tree, branches)
         self._stores = stores
         self._n = len(stores)
         self._limit = self.events or (self._n * self.passes if self.passes else 0)

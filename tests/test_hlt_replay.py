@@ -154,20 +154,20 @@ def test_replay_device_as_fragment_streams_into_the_builder(
             str(stats),
         ]
     )
-    got = []
+    batches = []
     try:
         deadline = time.monotonic() + 60
         while not (recv.all_ended() and b.n_open == 0 and not recv.pending()):
             assert time.monotonic() < deadline, recv.metrics()
             recv.pump(10)
-            for bb in b.take_built():
-                got.extend(stores_from_batch(bb, merge=join_fragments))
+            batches.extend(b.take_built())  # checked after the run: keep up with the rate
         assert proc.wait(20) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         recv.close()
+    got = [s for bb in batches for s in stores_from_batch(bb, merge=join_fragments)]
     assert [s.meta.uid for s in got] == list(range(3000))
     assert all(s["hlt_state"] == 0 for s in got)
     ref = ReplayInput(file=HZZ, passes=2)

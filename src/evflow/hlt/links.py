@@ -9,6 +9,10 @@ back-pressure, and it reaches only the sources that run ahead. ``END {"count",
 "from", "source"}`` ends a stream; the receiver answers ``ACK`` and the builder infers
 that the events still missing this source will not get it.
 
+The first credits go out once every expected source has said HELLO (or ``start_wait_s``
+after the first HELLO): senders that start a little apart would otherwise make the
+first events look incomplete (the early ones would time out waiting for the late).
+
 A peer that ignores its credits gets at most ``overrun_limit`` batches queued; more
 are dropped and counted (``overrun``), so nothing grows without bound.
 """
@@ -69,6 +73,7 @@ class FragmentReceiver:
         credit: int = 16,
         overrun_limit: int = 64,
         rcv_hwm: int = 10_000,
+        start_wait_s: float = 10.0,
         bad: BadMessageCounter | None = None,
         channel: Channel | None = None,
     ) -> None:
@@ -84,6 +89,9 @@ class FragmentReceiver:
         self.channel = channel
         self.credit = credit
         self.overrun_limit = overrun_limit
+        self.start_wait_s = start_wait_s
+        self._first_hello: float | None = None
+        self.started = False
         self.bad = bad or BadMessageCounter("event builder/fragments", log)
         self.peers: dict[bytes, _Peer] = {}
         self.by_source: dict[int, _Peer] = {}
@@ -170,6 +178,8 @@ class FragmentReceiver:
             self.peers[identity] = peer
             self.by_source[source] = peer
             peer.owed = self.credit
+            if self._first_hello is None:
+                self._first_hello = time.monotonic()
         elif msg.type is MsgType.END:
             if peer is None:
                 self.refused += 1
@@ -202,6 +212,13 @@ class FragmentReceiver:
                 self.builder.end_source(peer.source)
 
     def _give_credits(self) -> None:
+        if not self.started:
+            if self._first_hello is None:
+                return
+            waited = time.monotonic() - self._first_hello
+            if len(self.by_source) < len(self.builder.sources) and waited < self.start_wait_s:
+                return
+            self.started = True
         send = self.channel.send
         for peer in self.peers.values():
             if peer.owed and not peer.ended:

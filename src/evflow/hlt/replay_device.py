@@ -73,6 +73,13 @@ class ReplayDevice(Device):
         self.report = ReplayReport(rate_hz=self.event_rate)
 
     def pre_run(self) -> None:
+        # the timeline starts when the builder is ready (it sends the first credits once
+        # every stream is connected), not while the processes are still starting
+        for sender in self._senders:
+            while not sender.wait_credit(time.monotonic() + 0.1, lambda: self._loop_stop):
+                self._tick()
+                if self._loop_stop:
+                    break
         self._timeline = Timeline(self.event_rate)
         self._t_last = self._timeline.t0
 

@@ -6,10 +6,18 @@ import numpy as np
 import pytest
 
 from evflow.errors import ConfigurationError, ProtocolError
+from evflow.hlt import eventbuilder
 from evflow.hlt.built import decode_built, encode_built, stores_from_batch
 from evflow.hlt.eventbuilder import BuilderConfig, BuildState, EventBuilder
 from evflow.hlt.fragments import FragmentBatch, decode_fragments, encode_fragments
 from evflow.wire.messages import decode_message
+
+
+@pytest.fixture(autouse=True, params=["numpy", "scalar"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test on both paths: numpy (large batches) and scalar (a few fragments)."""
+    monkeypatch.setattr(eventbuilder, "SMALL_BATCH", 0 if request.param == "numpy" else 10**6)
+    return str(request.param)
 
 
 class Clock:

@@ -76,11 +76,13 @@ class _Params:
         )
 
 
-def _finished(recv: FragmentReceiver, quiet_since: float, end_timeout_s: float) -> bool:
+def _finished(recv: FragmentReceiver, quiet_s: float, end_timeout_s: float) -> bool:
+    """Every source ended and everything is built, or ``quiet_s`` of silence (time spent
+    downstream not counted) after at least one source ended."""
     if recv.all_ended() and not recv.pending():
         return True
     any_ended = any(p.ended for p in recv.peers.values())
-    return any_ended and time.monotonic() - quiet_since > end_timeout_s
+    return any_ended and quiet_s > end_timeout_s
 
 
 class EventBuilderDevice(_Params, Device):
@@ -107,8 +109,11 @@ class EventBuilderDevice(_Params, Device):
         recv = self.receiver
         if recv.pump(10):
             self._quiet_since = time.monotonic()
+        t_fwd = time.monotonic()
         self._forward()
-        if _finished(recv, self._quiet_since, self.end_timeout_s):
+        self._quiet_since += time.monotonic() - t_fwd  # sending is not silence
+        quiet_s = time.monotonic() - self._quiet_since
+        if _finished(recv, quiet_s, self.end_timeout_s):
             self.builder.flush()
             self._forward()
             return False
@@ -152,7 +157,14 @@ class EventBuilderInput(_Params, Source):
 
     def events(self, start: int = 0) -> Iterator[DataStore]:
         ctx: zmq.Context[Any] = zmq.Context()
-        self.builder = builder = EventBuilder(self.builder_config())
+        away = [0.0]  # time spent downstream, when nobody listens to the sources
+
+        def listening_clock() -> float:
+            return time.monotonic() - away[0]
+
+        # time-outs count only the time we listen: a slow path is back-pressure (the
+        # fragments wait in the socket), not a reason to call events incomplete
+        self.builder = builder = EventBuilder(self.builder_config(), clock=listening_clock)
         recv = FragmentReceiver(
             ctx, builder, self.address, session=self.session, credit=self.credit
         )
@@ -162,9 +174,14 @@ class EventBuilderInput(_Params, Source):
             while True:
                 if recv.pump(10):
                     quiet_since = time.monotonic()
+                t_out = time.monotonic()
                 for batch in builder.take_built():
                     yield from stores_from_batch(batch, self.merge, self.experiment, self.run)
-                if _finished(recv, quiet_since, self.end_timeout_s):
+                # the time the path spent on our events is not silence of the sources
+                spent = time.monotonic() - t_out
+                quiet_since += spent
+                away[0] += spent
+                if _finished(recv, time.monotonic() - quiet_since, self.end_timeout_s):
                     builder.flush()
                     for batch in builder.take_built():
                         yield from stores_from_batch(batch, self.merge, self.experiment, self.run)

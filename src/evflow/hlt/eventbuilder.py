@@ -48,6 +48,8 @@ __all__ = ["BuildState", "BuilderConfig", "BuiltBatch", "EventBuilder"]
 
 MAX_SOURCES = 64  # one bit per source in a u64
 _NEVER = np.iinfo(np.int64).max
+#: batches up to this size take the scalar path (numpy's per-call cost dominates)
+SMALL_BATCH = 8
 
 
 class BuildState(IntEnum):
@@ -202,6 +204,8 @@ class EventBuilder:
             return 0
         now = self.clock() if now is None else now
         ids = batch.ids
+        if self.base is not None and len(ids) <= SMALL_BATCH:
+            return self._add_small(k, batch, now)
         if self.base is None:
             first = int(ids[0])
             self.base = self.top = first if first >= 0 else 0
@@ -295,6 +299,88 @@ class EventBuilder:
         done = tslots[self._mask[tslots] == self.full]
         if len(done):
             self._emit(done, BuildState.COMPLETE)
+
+    def _add_small(self, k: int, batch: FragmentBatch, now: float) -> int:
+        """:meth:`add` fragment by fragment, for a few fragments (same rules)."""
+        c, cfg = self.counters, self.config
+        base = self.base
+        assert base is not None
+        bit = 1 << k
+        full = int(self.full)
+        ev, mask, done = self._ev, self._mask, self._done
+        cap, cmask, wmask = self.capacity, self._cmask, self._wmask
+        ids = batch.ids.tolist()
+        lens = batch.lengths.tolist()
+        offs = batch.offsets.tolist()
+        self._heard[k] = now
+        self._ended[k] = False
+        serial = self._serial
+        taken = 0
+        complete = []
+        cut = len(ids)
+        seen_max = -1
+        if not self.n_open:  # nothing in construction: the ring may jump ahead
+            near = [e for e in ids if base - cfg.past_window <= e < base + cfg.future_window]
+            if near and min(near) >= base + cap:
+                self.base = base = min(near)
+        for i, e in enumerate(ids):
+            if e < base - cfg.past_window or e >= base + cfg.future_window:
+                c.far += 1
+                continue
+            if int(done[e & wmask]) == e:
+                c.late += 1
+                seen_max = max(seen_max, e)
+                continue
+            slot = e & cmask
+            m = int(mask[slot])
+            if int(ev[slot]) == e:
+                if m & bit:
+                    c.duplicate += 1
+                    seen_max = max(seen_max, e)
+                    continue
+            elif e < base:
+                c.stale += 1
+                seen_max = max(seen_max, e)
+                continue
+            else:
+                if (
+                    e >= base + cap
+                    or self.n_open >= cfg.max_events
+                    or (self.n_open and self.open_bytes + lens[i] > cfg.max_bytes)
+                ):
+                    cut = i
+                    c.deferred += 1
+                    break
+                ev[slot] = e
+                m = 0
+                self._nbytes[slot] = 0
+                self._t0[slot] = now
+                self.n_open += 1
+                if e >= self.top:
+                    self.top = e + 1
+            seen_max = max(seen_max, e)
+            m |= bit
+            mask[slot] = m
+            self._msg[slot, k] = serial
+            self._off[slot, k] = offs[i]
+            self._len[slot, k] = lens[i]
+            self._nbytes[slot] += lens[i]
+            self.open_bytes += lens[i]
+            c.bytes += lens[i]
+            taken += 1
+            if m == full:
+                complete.append(slot)
+        if taken:
+            self._serial += 1
+            self._bufs[serial] = [batch.data, taken]
+            c.fragments += taken
+            c.max_in_construction = max(c.max_in_construction, self.n_open)
+            c.max_bytes_in_construction = max(c.max_bytes_in_construction, self.open_bytes)
+        if cfg.ordered and seen_max >= 0 and seen_max > self._last[k]:
+            self._last[k] = seen_max
+        if complete:
+            self._emit(np.array(complete, np.int64), BuildState.COMPLETE)
+        return cut
 
     def end_source(self, source: int) -> None:
         """``source`` sent its last fragment: events still missing it are inferred."""

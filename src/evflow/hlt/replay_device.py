@@ -47,6 +47,9 @@ class ReplayDevice(Device):
     streams = Param(int, 0, "fragment streams for an event builder (0: whole events)")
     builder = Param(str, "", "event builder address (with streams > 0)")
     max_batch = Param(int, 256, "events sent together at most")
+    tick_ms = Param(
+        float, 0.0, "send what is due at most every this many ms (batching; 0: at once)"
+    )
     channel_name = Param(str, "data", "output channel for whole events")
     ack_timeout_s = Param(float, 10.0, "how long to wait for END acknowledgements (s)")
 
@@ -92,7 +95,10 @@ class ReplayDevice(Device):
         if self._limit:
             n = min(n, self._limit - k)
         if n <= 0:
-            time.sleep(min(max(tl.due(k) - time.monotonic(), 0.0), 0.005))
+            # next due event, or (batching) the next tick: events keep their due times,
+            # so the rate over the run is the same; they travel several to a message
+            wait_s = max(tl.due(k) - time.monotonic(), self.tick_ms / 1e3 if k else 0.0)
+            time.sleep(min(max(wait_s, 0.0), 0.005 + self.tick_ms / 1e3))
             return True
         ids = np.arange(k, k + n, dtype=np.int64)
         if self._senders:

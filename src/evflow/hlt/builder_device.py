@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,7 +28,7 @@ import zmq
 
 from evflow.errors import ConfigurationError
 from evflow.hlt.built import Merge, encode_built, stores_from_batch
-from evflow.hlt.eventbuilder import BuilderConfig, EventBuilder
+from evflow.hlt.eventbuilder import BuilderConfig, BuiltBatch, EventBuilder
 from evflow.hlt.links import FragmentReceiver
 from evflow.params import Param
 from evflow.processing.datastore import DataStore
@@ -170,17 +171,28 @@ class EventBuilderInput(_Params, Source):
         )
         self.receiver = recv
         quiet_since = time.monotonic()
+        backlog: deque[BuiltBatch] = deque()  # built, not yet handed to the path
+        waiting = 0  # events in it
         try:
             while True:
-                if recv.pump(10):
-                    quiet_since = time.monotonic()
-                t_out = time.monotonic()
-                for batch in builder.take_built():
+                # keep the sockets served (credits, END, HELLO) between batches, but
+                # take no more while a backlog of max_events waits for the path
+                if waiting < self.max_events:
+                    if recv.pump(0 if backlog else 10):
+                        quiet_since = time.monotonic()
+                    for batch in builder.take_built():
+                        backlog.append(batch)
+                        waiting += len(batch)
+                if backlog:
+                    batch = backlog.popleft()
+                    waiting -= len(batch)
+                    t_out = time.monotonic()
                     yield from stores_from_batch(batch, self.merge, self.experiment, self.run)
-                # the time the path spent on our events is not silence of the sources
-                spent = time.monotonic() - t_out
-                quiet_since += spent
-                away[0] += spent
+                    # time the path spent on our events is not silence of the sources
+                    spent = time.monotonic() - t_out
+                    quiet_since += spent
+                    away[0] += spent
+                    continue
                 if _finished(recv, time.monotonic() - quiet_since, self.end_timeout_s):
                     builder.flush()
                     for batch in builder.take_built():

@@ -176,8 +176,8 @@ class EventBuilderInput(_Params, Source):
         try:
             while True:
                 # keep the sockets served (credits, END, HELLO) between batches, but
-                # take no more while a backlog of max_events waits for the path
-                if waiting < self.max_events:
+                # take no more while a backlog of 512 events waits for the path
+                if waiting < min(self.max_events, 512):
                     if recv.pump(0 if backlog else 10):
                         quiet_since = time.monotonic()
                     for batch in builder.take_built():

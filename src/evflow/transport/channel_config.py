@@ -36,7 +36,9 @@ SOCKET_TYPES: dict[str, int] = {
 RECEIVING = frozenset({"pull", "sub", "xpub", "xsub", "router", "dealer", "pair", "req", "rep"})
 SENDING = frozenset({"push", "pub", "xpub", "xsub", "router", "dealer", "pair", "req", "rep"})
 METHODS = ("bind", "connect")
-TRANSPORTS = ("zmq",)
+TRANSPORTS = ("zmq", "shm")
+#: socket types a shm channel may have (one sender, one consumer per ring)
+SHM_SOCKET_TYPES = ("push", "pull", "pair")
 #: frames at least this large are sent without copying (zmq keeps a reference)
 COPY_THRESHOLD_BYTES = 65536
 
@@ -62,6 +64,7 @@ class ChannelConfig:
     linger: int = 500
     rateLogging: int = 1
     autoBind: bool = False
+    shmSize: int = 64 << 20  # bytes of a sending shm channel's ring
 
     def __post_init__(self) -> None:
         validate(self)
@@ -72,7 +75,15 @@ class ChannelConfig:
 
 
 _KEYS = {f.name: f for f in fields(ChannelConfig)}
-_INT_KEYS = ("sndBufSize", "rcvBufSize", "sndKernelSize", "rcvKernelSize", "linger", "rateLogging")
+_INT_KEYS = (
+    "sndBufSize",
+    "rcvBufSize",
+    "sndKernelSize",
+    "rcvKernelSize",
+    "linger",
+    "rateLogging",
+    "shmSize",
+)
 
 
 def _bad(name: str, key: str, value: Any, expected: str) -> ConfigurationError:
@@ -91,7 +102,9 @@ def validate(cfg: ChannelConfig) -> None:
     if cfg.type not in SOCKET_TYPES:
         raise _bad(name, "type", cfg.type, " | ".join(SOCKET_TYPES))
     if cfg.transport not in TRANSPORTS:
-        raise _bad(name, "transport", cfg.transport, "zmq (the only transport built so far)")
+        raise _bad(name, "transport", cfg.transport, "zmq or shm")
+    if cfg.transport == "shm" and cfg.type not in SHM_SOCKET_TYPES:
+        raise _bad(name, "type", cfg.type, "push | pull | pair with transport shm")
     for key in _INT_KEYS:
         value = getattr(cfg, key)
         low = -1 if key == "linger" else 0

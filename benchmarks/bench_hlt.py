@@ -16,6 +16,9 @@ cpu:    replay device (4 streams; 1 kHz, 1 kHz sent every 10 ms, or as fast as
         share is taken on the difference of a short and a long run, so the start-up
         (interpreters, imports, forks: ~1 s of CPU) cancels out; "whole run" keeps it.
 replay: ReplayInput at 1, 10, 50 kHz for 5 s each: achieved rate and worst lag.
+shm:    a device channel (push -> pull, two processes) with transport zmq and shm, for
+        100 kB, 1 MB, 10 MB payloads: the sender fills a new buffer per message, the
+        receiver reads every byte; GB/s at the receiver.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import zmq
 
 from evflow.hlt.eventbuilder import BuilderConfig, EventBuilder
@@ -189,14 +193,75 @@ def bench_replay(quick: bool) -> None:
             )
 
 
+def _shm_child(role: str, transport: str, size: int, n: int, address: str, out: str) -> None:
+    """One end of a device channel: the sender writes every payload, the receiver reads it."""
+    from evflow.transport.channel import open_channel, parse_channel_config
+    from evflow.wire.messages import MsgType, decode_message, encode_message
+
+    ctx: zmq.Context[object] = zmq.Context()
+    kind, method = ("push", "connect") if role == "send" else ("pull", "bind")
+    (cfg,) = parse_channel_config(
+        f"name=data,type={kind},method={method},address={address},transport={transport}"
+        f",sndBufSize=4,rcvBufSize=4,linger=-1,shmSize={max(64 << 20, 8 * size)}"
+    )
+    ch = open_channel(ctx, cfg, "benchshm")
+    if role == "send":
+        for i in range(n):
+            payload = np.empty(size, np.uint8)
+            payload.fill(i & 255)  # written
+            ch.send(encode_message(MsgType.EVENTS, None, [payload.data]))
+        # a closing PUSH can lose its last messages (DESIGN.md): wait for the receiver
+        deadline = time.monotonic() + 120
+        while not os.path.exists(out) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    else:
+        t0 = 0.0
+        for i in range(n):
+            if not ch.poll(20_000):
+                raise SystemExit(f"receiver: only {i} of {n} messages ({ch!r})")
+            msg = decode_message(ch.recv())
+            if i == 0:
+                t0 = time.monotonic()
+            data = np.frombuffer(msg.payload[0], np.uint8)
+            np.bitwise_xor.reduce(data.view(np.uint64))  # read, every byte
+        elapsed = time.monotonic() - t0
+        Path(out).write_text(json.dumps({"gb_per_s": (n - 1) * size / elapsed / 1e9}))
+    ch.close()
+    ctx.term()
+
+
+def bench_shm(quick: bool) -> None:
+    print("\ndevice channel, one hop, payload written by the sender and read by the receiver")
+    print(f"{'payload':>8} {'zmq GB/s':>9} {'shm GB/s':>9} {'shm/zmq':>8}")
+    for size in (100_000, 1_000_000, 10_000_000):
+        n = max(20, int((300e6 if quick else 2e9) // size))
+        rates = {}
+        for transport in ("zmq", "shm"):
+            with tempfile.TemporaryDirectory(prefix="evflow-bench-shm-") as d:
+                addr, out = f"ipc://{d}/c", os.path.join(d, "r.json")
+                args = [transport, str(size), str(n), addr, out]
+                rx = subprocess.Popen([sys.executable, __file__, "--shm-child", "recv", *args])
+                tx = subprocess.Popen([sys.executable, __file__, "--shm-child", "send", *args])
+                assert rx.wait() == 0 and tx.wait() == 0
+                rates[transport] = json.loads(Path(out).read_text())["gb_per_s"]
+        print(
+            f"{size / 1e6:>6.1f}MB {rates['zmq']:>9.2f} {rates['shm']:>9.2f} "
+            f"{rates['shm'] / rates['zmq']:>7.2f}x"
+        )
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--shm-child":
+        a = sys.argv
+        _shm_child(a[2], a[3], int(a[4]), int(a[5]), a[6], a[7])
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "--cpu-child":
         a = sys.argv
         _cpu_chain(int(a[2]), int(a[3]), float(a[4]), float(a[5]), a[6])
         return
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", choices=("build", "cpu", "replay"))
+    ap.add_argument("--only", choices=("build", "cpu", "replay", "shm"))
     a = ap.parse_args()
     print(
         f"bench_hlt {time.strftime('%Y-%m-%d %H:%M')} on {os.cpu_count()} cores "
@@ -208,6 +273,8 @@ def main() -> None:
         bench_cpu(a.quick)
     if a.only in (None, "replay"):
         bench_replay(a.quick)
+    if a.only in (None, "shm"):
+        bench_shm(a.quick)
 
 
 if __name__ == "__main__":

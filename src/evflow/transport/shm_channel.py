@@ -91,14 +91,19 @@ class ShmRing:
         self.path = os.path.join(SHM_DIR, self.name)
         self.size_b = size_b
         self.capacity = size_b - HEADER_B
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        # made under a hidden name and renamed once mapped: a sweeper that removes
+        # unmapped evflow segments (test fixtures do) never sees it half made
+        tmp = os.path.join(SHM_DIR, f".{self.name}.tmp")
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, size_b)
             os.posix_fallocate(fd, 0, size_b)  # a full tmpfs fails here, not with SIGBUS
             self._mm = mmap.mmap(fd, size_b)
+            os.rename(tmp, self.path)
         except OSError as exc:
             os.close(fd)
-            os.unlink(self.path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
             raise ConfigurationError(
                 f"cannot make the shared-memory ring {self.path} ({size_b} bytes): {exc.strerror}"
             ) from exc

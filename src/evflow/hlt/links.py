@@ -303,29 +303,36 @@ class FragmentSender:
         self.credit -= 1
         self.sent += 1
 
-    def end(self, timeout_s: float = 10.0, waiting: Callable[[], object] | None = None) -> bool:
-        """Send END with the count and wait for the ACK; False if it did not come.
-
-        ``waiting`` is called while waiting (a test that runs both ends in one thread).
-        """
+    def send_end(self) -> None:
+        """Send END with the count of batches sent (then :meth:`wait_ack`)."""
         self.channel.send(
             encode_message(
                 MsgType.END, {"count": self.sent, "from": self.name, "source": self.source}
             )
         )
-        deadline = time.monotonic() + timeout_s
+
+    def wait_ack(self, deadline_s: float, waiting: Callable[[], object] | None = None) -> bool:
+        """Wait for the ACK of our END until ``deadline_s``; False if it did not come."""
         ch = self.channel
         while True:
             if waiting is not None:
                 waiting()
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0 or not ch.poll(min(left_ms, 10 if waiting else 100)):
-                if left_ms <= 0:
-                    return False
+            left_ms = int((deadline_s - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                return False
+            if not ch.poll(min(left_ms, 10 if waiting else 100)):
                 continue
             frames = ch.recv()
             if frames and frames[0] == bytes([MsgType.ACK]):
                 return True
+
+    def end(self, timeout_s: float = 10.0, waiting: Callable[[], object] | None = None) -> bool:
+        """Send END with the count and wait for the ACK; False if it did not come.
+
+        ``waiting`` is called while waiting (a test that runs both ends in one thread).
+        """
+        self.send_end()
+        return self.wait_ack(time.monotonic() + timeout_s, waiting)
 
     def close(self, linger_ms: int | None = 0) -> None:
         self.channel.close(linger_ms)

@@ -131,8 +131,11 @@ class ReplayDevice(Device):
         r.max_lag_ms = self._timeline.max_lag_s * 1e3
         log.info("%s: %s", self.id, r.line())
         if self._senders:
+            for sender in self._senders:  # every END first: the builder sees them together
+                sender.send_end()
+            deadline = time.monotonic() + self.ack_timeout_s
             for sender in self._senders:
-                if not sender.end(self.ack_timeout_s):
+                if not sender.wait_ack(deadline):
                     log.error("%s: END of stream %d not acknowledged", self.id, sender.source)
         else:
             send_end(self, self.channel_name, 0, self.channel(self.channel_name).messages_out)

@@ -238,3 +238,60 @@ def test_eventbuilder_device_to_sink(tmp_path: Path) -> None:
     assert (eb["built"], eb["complete"], eb["incomplete"]) == (20_000, 20_000, 0)
     sk = json.loads(stats_s.read_text())["sink"]
     assert sk["received"] == sk["announced"] > 0
+
+
+def test_builder_counters_on_the_bus() -> None:
+    """`evflow ctl get-metrics eb` shows the builder's counters while it runs."""
+    from evflow.runtime.supervisor import Supervisor
+    from evflow.transport.paths import session_dir
+
+    sup = Supervisor(bus=True).start()
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        common = ["--session", sup.session, "--bus", str(sup.bus_endpoints), "--severity", "warn"]
+        sup.add_command(
+            "eb",
+            [
+                *_device_cmd("eventbuilder", "--id", "eb", "--sources", "4", *common),
+                *("--channel-config", "name=fragments,type=router,method=bind,address=ipc://f"),
+                *("--channel-config", "name=events,type=push,method=bind,address=ipc://b"),
+            ],
+            device_id="eb",
+        )
+        sup.add_command(
+            "sink",
+            [
+                *_device_cmd("sink", "--id", "sink", *common),
+                *("--channel-config", "name=data,type=pull,method=connect,address=ipc://b"),
+            ],
+            device_id="sink",
+        )
+        frags = session_dir(sup.session) / "f"
+        deadline = time.monotonic() + 30
+        while not frags.exists():
+            assert time.monotonic() < deadline
+            sup.poll(0.05)
+        procs = senders(f"ipc://{frags}", [[0, 1, 2, 3]], 1_000_000, rate=20_000)
+        metrics: dict[str, object] = {}
+        while not metrics.get("built"):
+            assert time.monotonic() < deadline, metrics
+            sup.poll(0.2)
+            out = subprocess.run(
+                [
+                    *(sys.executable, "-m", "evflow", "ctl", "--bus", str(sup.bus_endpoints)),
+                    *("get-metrics", "eb", "--timeout", "2"),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            if out.returncode == 0:
+                metrics = json.loads(out.stdout)["eventbuilder"]
+        assert {"built", "incomplete_by_source", "late", "duplicate", "in_construction"} <= set(
+            metrics
+        )
+        assert metrics["bytes"] > 0 and metrics["incomplete"] == 0
+    finally:
+        stop(procs)
+        sup.shutdown()
+        sup.close()

@@ -148,6 +148,8 @@ def test_replay_device_as_fragment_streams_into_the_builder(
             recv.endpoints[0],
             "--event-rate",
             "5000",
+            "--tick-ms",
+            "5",  # ~25 events per message: the test's one-thread receiver keeps up
             "--events",
             "3000",
             "--stats-file",

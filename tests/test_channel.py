@@ -94,7 +94,7 @@ def test_json_dict_list_and_toml_file(tmp_path: Path) -> None:
             "name=data,type=push,method=bind,address=tcp://*:1,autoBind=maybe",
             "bad autoBind 'maybe'",
         ),
-        ("name=data,type=push,method=bind,address=tcp://*:1,transport=shm", "bad transport 'shm'"),
+        ("name=data,type=push,method=bind,address=tcp://*:1,transport=ofi", "bad transport 'ofi'"),
         ("name=data;type=push", "bad name 'data;type=push'"),
         ("name=data,,type=push", "is not key=value"),
         ("[{bad json", "not valid JSON"),

@@ -49,10 +49,37 @@ def register(subparsers: Any) -> None:
         help="instead: a toy run on -p workers (default 4) while workers are SIGKILLed, "
         "hang, raise and segfault; checks every event is written exactly once",
     )
+    hlt = parser.add_argument_group("trigger farm (--hlt)")
+    hlt.add_argument(
+        "--hlt",
+        action="store_true",
+        help="instead: HZZ events replayed as fragment streams -> event builder -> "
+        "parallel path with an asynchronous Z-peak calibration -> output (docs/hlt.md)",
+    )
+    hlt.add_argument("--streams", type=int, default=6, help="fragment streams, 4-12 (default 6)")
+    hlt.add_argument(
+        "--rate", type=float, default=2000.0, help="replay rate in Hz, 0: as fast as possible"
+    )
+    hlt.add_argument("--passes", type=int, default=2, help="passes over the file (default 2)")
     parser.set_defaults(func=handle)
 
 
 def handle(args: argparse.Namespace) -> int:
+    if getattr(args, "hlt", False):
+        from evflow.demo.hlt import run_hlt_demo
+
+        result = run_hlt_demo(
+            args.output_dir,
+            streams=args.streams,
+            rate_hz=args.rate,
+            passes=args.passes,
+            workers=2 if args.workers is None else args.workers,
+            quiet=args.quiet,
+        )
+        if not args.quiet:
+            print(result.report())
+            print(f"selected events: {result.selected}")
+        return 0
     if getattr(args, "chaos", False):
         from evflow.processing.chaos import run_chaos_demo
 

@@ -280,7 +280,12 @@ def open_channel(
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
         raise
-    channel = Channel(config, index, sock, endpoints, ipc_files)
+    if config.transport == "shm":
+        from evflow.transport.shm_channel import ShmChannel
+
+        channel: Channel = ShmChannel(config, index, sock, endpoints, ipc_files, session=session)
+    else:
+        channel = Channel(config, index, sock, endpoints, ipc_files)
     channel.security = security
     log.debug("opened %r", channel)
     return channel

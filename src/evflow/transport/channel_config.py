@@ -36,12 +36,14 @@ SOCKET_TYPES: dict[str, int] = {
 RECEIVING = frozenset({"pull", "sub", "xpub", "xsub", "router", "dealer", "pair", "req", "rep"})
 SENDING = frozenset({"push", "pub", "xpub", "xsub", "router", "dealer", "pair", "req", "rep"})
 METHODS = ("bind", "connect")
-TRANSPORTS = ("zmq",)
 #: "evflow": wire-protocol messages (type byte, header, payload); "raw": each message is
 #: just its frames, as FairMQ's zeromq transport sends them (no END/ACK possible)
 FRAMINGS = ("evflow", "raw")
 #: "" = CURVE only if farm keys are configured (transport.farmkeys); "none" = never
 CURVE_ROLES = ("", "server", "client", "none")
+TRANSPORTS = ("zmq", "shm")
+#: socket types a shm channel may have (one sender, one consumer per ring)
+SHM_SOCKET_TYPES = ("push", "pull", "pair")
 #: frames at least this large are sent without copying (zmq keeps a reference)
 COPY_THRESHOLD_BYTES = 65536
 
@@ -79,6 +81,7 @@ class ChannelConfig:
     curveSecretKey: str = ""
     curveServerKey: str = ""
     curveAllow: str = ""
+    shmSize: int = 64 << 20  # bytes of a sending shm channel's ring
 
     def __post_init__(self) -> None:
         validate(self)
@@ -89,7 +92,15 @@ class ChannelConfig:
 
 
 _KEYS = {f.name: f for f in fields(ChannelConfig)}
-_INT_KEYS = ("sndBufSize", "rcvBufSize", "sndKernelSize", "rcvKernelSize", "linger", "rateLogging")
+_INT_KEYS = (
+    "sndBufSize",
+    "rcvBufSize",
+    "sndKernelSize",
+    "rcvKernelSize",
+    "linger",
+    "rateLogging",
+    "shmSize",
+)
 
 
 def _bad(name: str, key: str, value: Any, expected: str) -> ConfigurationError:
@@ -108,7 +119,9 @@ def validate(cfg: ChannelConfig) -> None:
     if cfg.type not in SOCKET_TYPES:
         raise _bad(name, "type", cfg.type, " | ".join(SOCKET_TYPES))
     if cfg.transport not in TRANSPORTS:
-        raise _bad(name, "transport", cfg.transport, "zmq (the only transport built so far)")
+        raise _bad(name, "transport", cfg.transport, "zmq or shm")
+    if cfg.transport == "shm" and cfg.type not in SHM_SOCKET_TYPES:
+        raise _bad(name, "type", cfg.type, "push | pull | pair with transport shm")
     for key in _INT_KEYS:
         value = getattr(cfg, key)
         low = -1 if key == "linger" else 0

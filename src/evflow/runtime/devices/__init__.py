@@ -16,6 +16,8 @@ BUILTIN_DEVICES: dict[str, str] = {
     "proxy": "evflow.runtime.devices.forward:Proxy",
     "qc-merger": "evflow.qc.merger:QcMerger",
     "qc-producer": "evflow.qc.producer_device:QcProducer",
+    "eventbuilder": "evflow.hlt.builder_device:EventBuilderDevice",
+    "replay": "evflow.hlt.replay_device:ReplayDevice",
 }
 
 __all__ = ["BUILTIN_DEVICES"]

@@ -1,0 +1,281 @@
+"""Trigger-farm figures: event-building rate, framework CPU share of the HLT chain.
+
+    python benchmarks/bench_hlt.py [--quick] [--only build|cpu|replay]
+
+build:  12 inputs (4 sender processes x 3 sources, real sockets) -> FragmentReceiver +
+        EventBuilder in this process, for 64 B, 1 kB and 10 kB fragments, batched (256
+        fragments per message) and one fragment per message. "built/s" is wall-clock
+        (the senders share the 2 cores); "builder CPU/event" is this process's CPU
+        time per built event (receive, build, free), so "builder-bound rate" = 1 / it
+        is what one core of building alone would sustain.
+cpu:    replay device (4 streams; 1 kHz, 1 kHz sent every 10 ms, or as fast as
+        possible) -> EventBuilderInput -> JoinFragments -> BusyWork(1 ms) ->
+        RecordOutput, sequential and with 2 workers. Every process is a descendant of a
+        child process, so ``RUSAGE_CHILDREN`` of its parent counts them all; the work is
+        exactly BusyWork's CPU time (1 ms per event), the rest is the framework. The
+        share is taken on the difference of a short and a long run, so the start-up
+        (interpreters, imports, forks: ~1 s of CPU) cancels out; "whole run" keeps it.
+replay: ReplayInput at 1, 10, 50 kHz for 5 s each: achieved rate and worst lag.
+shm:    a device channel (push -> pull, two processes) with transport zmq and shm, for
+        100 kB, 1 MB, 10 MB payloads: the sender fills a new buffer per message, the
+        receiver reads every byte; GB/s at the receiver.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from evflow.hlt.eventbuilder import BuilderConfig, EventBuilder
+from evflow.hlt.links import FragmentReceiver
+
+GROUPS = [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+
+
+def build_rate(frag_bytes: int, batch: int, n_events: int) -> dict[str, float]:
+    ctx: zmq.Context[object] = zmq.Context()
+    b = EventBuilder(BuilderConfig(sources=range(12), timeout_s=10.0, max_events=8192))
+    recv = FragmentReceiver(ctx, b, "tcp://127.0.0.1:0", credit=32)
+    procs = [
+        subprocess.Popen(
+            [
+                *(sys.executable, "-m", "evflow.hlt.synthetic", recv.endpoints[0]),
+                *("--sources", ",".join(map(str, g)), "--events", str(n_events)),
+                *("--batch", str(batch), "--frag-bytes", str(frag_bytes)),
+            ]
+        )
+        for g in GROUPS
+    ]
+    t_first = None
+    cpu0 = time.process_time()
+    while not (recv.all_ended() and b.n_open == 0 and not recv.pending()):
+        recv.pump(5)
+        if t_first is None and b.counters.fragments:
+            t_first = time.monotonic()
+            cpu0 = time.process_time()
+        b.take_built()
+    wall = time.monotonic() - (t_first or time.monotonic())
+    cpu = time.process_time() - cpu0
+    for p in procs:
+        p.wait()
+    recv.close()
+    ctx.term()
+    assert b.counters.complete == n_events, b.metrics()
+    return {
+        "built_per_s": n_events / wall,
+        "cpu_us_per_event": cpu / n_events * 1e6,
+        "builder_bound_per_s": n_events / cpu,
+    }
+
+
+def bench_build(quick: bool) -> None:
+    print("event building, 12 inputs (4 sender processes), real tcp sockets")
+    print(
+        f"{'fragment':>9} {'per msg':>8} {'events':>7} {'built/s':>10} "
+        f"{'builder CPU/event':>18} {'builder-bound/s':>16}"
+    )
+    scale = 0.2 if quick else 1.0
+    for frag, n in ((64, 100_000), (1024, 50_000), (10_240, 8_000)):
+        for batch, n_ev in ((256, n), (1, max(2000, n // 10))):
+            n_ev = int(n_ev * scale)
+            r = build_rate(frag, batch, n_ev)
+            print(
+                f"{frag:>8}B {batch:>8} {n_ev:>7} {r['built_per_s']:>10,.0f} "
+                f"{r['cpu_us_per_event']:>15.1f} µs {r['builder_bound_per_s']:>16,.0f}"
+            )
+
+
+def _cpu_chain(workers: int, n_events: int, rate: float, tick_ms: float, out_dir: str) -> None:
+    """Runs in a child: replay device -> builder source -> 1 ms/event path -> output."""
+    import evflow
+    from evflow.hlt.builder_device import EventBuilderInput
+    from evflow.hlt.replay import JoinFragments
+    from evflow.io import BusyWork, RecordOutput, RecordWriter, ToyGenerator
+    from evflow.wire.codec import encode_event
+
+    rec = os.path.join(out_dir, "toy.evr")
+    with RecordWriter(rec) as w:
+        for s in ToyGenerator(n_events=1000, payload_bytes=1024).events():
+            w.write_frames(s.meta.uid, 0, encode_event(s))
+    address = f"ipc://{out_dir}/frags"
+    replay = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "evflow", "device", "replay", "--id", "replay"),
+            *("--file", rec, "--streams", "4", "--builder", address),
+            *("--event-rate", str(rate), "--tick-ms", str(tick_ms)),
+            *("--events", str(n_events), "--severity", "warn"),
+            *("--stats-file", os.path.join(out_dir, "replay.json")),
+        ]
+    )
+    stats = os.path.join(out_dir, "builder.json")
+    path = evflow.Path(
+        [
+            EventBuilderInput(address=address, sources="4", timeout_s=2.0, stats_file=stats),
+            JoinFragments(),
+            BusyWork(work_ms=1.0),
+            RecordOutput(file=os.path.join(out_dir, "out.evr"), fsync=False),
+        ]
+    )
+    s = evflow.process(path, workers=workers, quiet=True)
+    replay.wait()
+    calls = sum(m.calls for m in s.modules if m.module == "BusyWork")
+    Path(out_dir, "chain.json").write_text(json.dumps({"busy_calls": calls, "wall_s": s.wall_s}))
+
+
+def _chain_cpu(workers: int, n: int, rate: float, tick_ms: float) -> tuple[float, float, dict]:
+    with tempfile.TemporaryDirectory(prefix="evflow-bench-hlt-") as d:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        args = [str(workers), str(n), str(rate), str(tick_ms), d]
+        code = subprocess.call([sys.executable, __file__, "--cpu-child", *args])
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        assert code == 0
+        total = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        work = json.loads(Path(d, "chain.json").read_text())["busy_calls"] * 1e-3
+        rep = json.loads(Path(d, "replay.json").read_text())["replay"]
+        assert json.loads(Path(d, "builder.json").read_text())["complete"] == n
+    return total, work, rep
+
+
+def bench_cpu(quick: bool) -> None:
+    """Steady state: the difference of a short and a long run (start-up cancels out)."""
+    n1, n2 = (1000, 3000) if quick else (2000, 8000)
+    print(
+        f"\nframework CPU share, 1 ms CPU per event in the path; marginal over "
+        f"{n2 - n1} events (runs of {n1} and {n2})"
+    )
+    print(
+        f"{'workers':>8} {'rate':>9} {'tick':>6} {'CPU/event':>10} {'framework':>10} "
+        f"{'whole run':>10} {'replay Hz':>10}"
+    )
+    for workers in (0, 2):
+        for rate, tick in ((1000.0, 0.0), (1000.0, 10.0), (0.0, 0.0)):
+            t1, w1, _ = _chain_cpu(workers, n1, rate, tick)
+            t2, w2, rep = _chain_cpu(workers, n2, rate, tick)
+            d_total, d_work = t2 - t1, w2 - w1
+            label = f"{rate:.0f} Hz" if rate else "max"
+            print(
+                f"{workers:>8} {label:>9} {tick:>4.0f}ms "
+                f"{d_total / (n2 - n1) * 1e3:>8.3f}ms {(d_total - d_work) / d_total:>9.1%} "
+                f"{(t2 - w2) / t2:>9.1%} {rep['achieved_hz']:>10,.0f}"
+            )
+
+
+def bench_replay(quick: bool) -> None:
+    from evflow.hlt.replay import ReplayInput
+    from evflow.io import RecordWriter, ToyGenerator
+    from evflow.wire.codec import encode_event
+
+    secs = 1.0 if quick else 5.0
+    print(f"\nreplay on the monotonic timeline, {secs:.0f} s per rate")
+    with tempfile.TemporaryDirectory() as d:
+        rec = os.path.join(d, "r.evr")
+        with RecordWriter(rec) as w:
+            for s in ToyGenerator(n_events=1000, payload_bytes=256).events():
+                w.write_frames(s.meta.uid, 0, encode_event(s))
+        for rate in (1_000.0, 10_000.0, 50_000.0):
+            src = ReplayInput(file=rec, rate_hz=rate, passes=max(1, int(rate * secs) // 1000))
+            for _ in src.events():
+                pass
+            r = src.report
+            print(
+                f"  {rate:>8,.0f} Hz asked: {r.events:>7} events, achieved {r.achieved_hz:>10,.1f} "
+                f"Hz ({r.achieved_hz / rate - 1:+.3%}), worst lag {r.max_lag_ms:.1f} ms"
+            )
+
+
+def _shm_child(role: str, transport: str, size: int, n: int, address: str, out: str) -> None:
+    """One end of a device channel: the sender writes every payload, the receiver reads it."""
+    from evflow.transport.channel import open_channel, parse_channel_config
+    from evflow.wire.messages import MsgType, decode_message, encode_message
+
+    ctx: zmq.Context[object] = zmq.Context()
+    kind, method = ("push", "connect") if role == "send" else ("pull", "bind")
+    (cfg,) = parse_channel_config(
+        f"name=data,type={kind},method={method},address={address},transport={transport}"
+        f",sndBufSize=4,rcvBufSize=4,linger=-1,shmSize={max(64 << 20, 8 * size)}"
+    )
+    ch = open_channel(ctx, cfg, "benchshm")
+    if role == "send":
+        for i in range(n):
+            payload = np.empty(size, np.uint8)
+            payload.fill(i & 255)  # written
+            ch.send(encode_message(MsgType.EVENTS, None, [payload.data]))
+        # a closing PUSH can lose its last messages (DESIGN.md): wait for the receiver
+        deadline = time.monotonic() + 120
+        while not os.path.exists(out) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    else:
+        t0 = 0.0
+        for i in range(n):
+            if not ch.poll(20_000):
+                raise SystemExit(f"receiver: only {i} of {n} messages ({ch!r})")
+            msg = decode_message(ch.recv())
+            if i == 0:
+                t0 = time.monotonic()
+            data = np.frombuffer(msg.payload[0], np.uint8)
+            np.bitwise_xor.reduce(data.view(np.uint64))  # read, every byte
+        elapsed = time.monotonic() - t0
+        Path(out).write_text(json.dumps({"gb_per_s": (n - 1) * size / elapsed / 1e9}))
+    ch.close()
+    ctx.term()
+
+
+def bench_shm(quick: bool) -> None:
+    print("\ndevice channel, one hop, payload written by the sender and read by the receiver")
+    print(f"{'payload':>8} {'zmq GB/s':>9} {'shm GB/s':>9} {'shm/zmq':>8}")
+    for size in (100_000, 1_000_000, 10_000_000):
+        n = max(20, int((300e6 if quick else 2e9) // size))
+        rates = {}
+        for transport in ("zmq", "shm"):
+            with tempfile.TemporaryDirectory(prefix="evflow-bench-shm-") as d:
+                addr, out = f"ipc://{d}/c", os.path.join(d, "r.json")
+                args = [transport, str(size), str(n), addr, out]
+                rx = subprocess.Popen([sys.executable, __file__, "--shm-child", "recv", *args])
+                tx = subprocess.Popen([sys.executable, __file__, "--shm-child", "send", *args])
+                assert rx.wait() == 0 and tx.wait() == 0
+                rates[transport] = json.loads(Path(out).read_text())["gb_per_s"]
+        print(
+            f"{size / 1e6:>6.1f}MB {rates['zmq']:>9.2f} {rates['shm']:>9.2f} "
+            f"{rates['shm'] / rates['zmq']:>7.2f}x"
+        )
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--shm-child":
+        a = sys.argv
+        _shm_child(a[2], a[3], int(a[4]), int(a[5]), a[6], a[7])
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "--cpu-child":
+        a = sys.argv
+        _cpu_chain(int(a[2]), int(a[3]), float(a[4]), float(a[5]), a[6])
+        return
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", choices=("build", "cpu", "replay", "shm"))
+    a = ap.parse_args()
+    print(
+        f"bench_hlt {time.strftime('%Y-%m-%d %H:%M')} on {os.cpu_count()} cores "
+        f"(load {os.getloadavg()[0]:.1f})"
+    )
+    if a.only in (None, "build"):
+        bench_build(a.quick)
+    if a.only in (None, "cpu"):
+        bench_cpu(a.quick)
+    if a.only in (None, "replay"):
+        bench_replay(a.quick)
+    if a.only in (None, "shm"):
+        bench_shm(a.quick)
+
+
+if __name__ == "__main__":
+    main()

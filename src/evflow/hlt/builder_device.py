@@ -1,0 +1,208 @@
+"""The event builder as a device and as a source module (the first module of a path).
+
+Both read fragment batches on a ROUTER socket (:class:`~evflow.hlt.links.FragmentReceiver`:
+credits, back-pressure) into an :class:`~evflow.hlt.eventbuilder.EventBuilder`.
+
+- ``EventBuilderDevice`` (``evflow device eventbuilder``): channel ``fragments``
+  (router, bind) in, channel ``events`` (push) out; built events leave in batches
+  (:func:`~evflow.hlt.built.encode_built`), the stream ends with END and its count.
+  Its metrics (on the bus) carry ``eventbuilder``: built, incomplete per missing
+  source, late, duplicate, in construction, bytes.
+- ``EventBuilderInput``: a source; each built event is a DataStore
+  (:mod:`evflow.hlt.built`).
+
+Both end when every expected source sent END (and everything is built), or when no
+fragment came for ``end_timeout_s`` after at least one source ended.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import zmq
+
+from evflow.errors import ConfigurationError
+from evflow.hlt.built import Merge, encode_built, stores_from_batch
+from evflow.hlt.eventbuilder import BuilderConfig, BuiltBatch, EventBuilder
+from evflow.hlt.links import FragmentReceiver
+from evflow.params import Param
+from evflow.processing.datastore import DataStore
+from evflow.processing.module import Source
+from evflow.runtime.device import Device
+from evflow.runtime.devices._stream import send_end, wait_for_acks
+
+__all__ = ["EventBuilderDevice", "EventBuilderInput", "parse_sources"]
+
+log = logging.getLogger("evflow.hlt")
+
+
+def parse_sources(spec: str | int) -> list[int]:
+    """``12`` or ``"12"`` -> 0..11; ``"0-3,8"`` -> [0, 1, 2, 3, 8]."""
+    text = str(spec).strip()
+    if text.isdigit():
+        return list(range(int(text)))
+    out: list[int] = []
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            out.extend(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ConfigurationError(
+            f"bad source list {spec!r}; expected a count (12) or ids like '0-3,8'"
+        ) from None
+    return out
+
+
+class _Params:
+    sources = Param(str, "12", "expected sources: a count (12) or ids ('0-5,8')")
+    timeout_s = Param(float, 1.0, "an event is incomplete this long after its first fragment")
+    max_events = Param(int, 4096, "events in construction at most (back-pressure beyond)")
+    max_bytes = Param(int, 256 << 20, "fragment bytes in construction at most")
+    credit = Param(int, 16, "batches each sender may have in flight")
+    ordered = Param(bool, True, "sources deliver ascending event ids (enables inference)")
+    end_timeout_s = Param(float, 5.0, "after a source ended, stop when nothing came this long")
+
+    def builder_config(self: Any) -> BuilderConfig:
+        return BuilderConfig(
+            sources=parse_sources(self.sources),
+            timeout_s=self.timeout_s,
+            max_events=self.max_events,
+            max_bytes=self.max_bytes,
+            ordered=self.ordered,
+        )
+
+
+def _finished(recv: FragmentReceiver, quiet_s: float, end_timeout_s: float) -> bool:
+    """Every source ended and everything is built, or ``quiet_s`` of silence (time spent
+    downstream not counted) after at least one source ended."""
+    if recv.all_ended() and not recv.pending():
+        return True
+    any_ended = any(p.ended for p in recv.peers.values())
+    return any_ended and quiet_s > end_timeout_s
+
+
+class EventBuilderDevice(_Params, Device):
+    description = "builds events from fragment batches of N sources (router in, push out)"
+
+    input_channel = Param(str, "fragments", "input channel (router, bind)")
+    output_channel = Param(str, "events", "output channel of built events")
+    ack_timeout_s = Param(float, 10.0, "how long to wait for the END acknowledgement (s)")
+
+    def init_task(self) -> None:
+        self.builder = EventBuilder(self.builder_config())
+        self.receiver = FragmentReceiver(
+            self.context,
+            self.builder,
+            "",
+            credit=self.credit,
+            channel=self.channel(self.input_channel),
+            bad=self.bad_messages[self.channel(self.input_channel).label],
+        )
+        self.sent = 0
+        self._quiet_since = time.monotonic()
+
+    def conditional_run(self) -> bool:
+        recv = self.receiver
+        if recv.pump(10):
+            self._quiet_since = time.monotonic()
+        t_fwd = time.monotonic()
+        self._forward()
+        self._quiet_since += time.monotonic() - t_fwd  # sending is not silence
+        quiet_s = time.monotonic() - self._quiet_since
+        if _finished(recv, quiet_s, self.end_timeout_s):
+            self.builder.flush()
+            self._forward()
+            return False
+        return True
+
+    def _forward(self) -> None:
+        out = self.channel(self.output_channel)
+        for batch in self.builder.take_built():
+            out.send(encode_built(batch))
+            self.sent += 1
+
+    def post_run(self) -> None:
+        send_end(self, self.output_channel, 0, self.sent)
+        wait_for_acks(self, self.output_channel, 1, self.ack_timeout_s)
+        log.info("%s: %s", self.id, self.builder.summary_line())
+
+    def metrics(self) -> dict[str, Any]:
+        out = super().metrics()
+        recv = getattr(self, "receiver", None)
+        if recv is not None:
+            out["eventbuilder"] = recv.metrics()
+        return out
+
+
+class EventBuilderInput(_Params, Source):
+    """A source: events built from fragment batches that senders push to ``address``."""
+
+    address = Param(str, "ipc://hlt-fragments", "where the senders connect (bound here)")
+    session = Param(str, "default", "ipc session directory for relative ipc addresses")
+    experiment = Param(int, 0, "experiment number in every event's meta")
+    run = Param(int, 0, "run number in every event's meta")
+    stats_file = Param(str, "", "write the builder's figures here (JSON) at the end")
+
+    def __init__(self, name: str | None = None, merge: Merge | None = None, **params: Any):
+        super().__init__(name, **params)
+        self.builder_config().check()
+        self.merge = merge
+        self.builder: EventBuilder | None = None
+        self.receiver: FragmentReceiver | None = None
+        self.summary: dict[str, Any] = {}
+
+    def events(self, start: int = 0) -> Iterator[DataStore]:
+        ctx: zmq.Context[Any] = zmq.Context()
+        away = [0.0]  # time spent downstream, when nobody listens to the sources
+
+        def listening_clock() -> float:
+            return time.monotonic() - away[0]
+
+        # time-outs count only the time we listen: a slow path is back-pressure (the
+        # fragments wait in the socket), not a reason to call events incomplete
+        self.builder = builder = EventBuilder(self.builder_config(), clock=listening_clock)
+        recv = FragmentReceiver(
+            ctx, builder, self.address, session=self.session, credit=self.credit
+        )
+        self.receiver = recv
+        quiet_since = time.monotonic()
+        backlog: deque[BuiltBatch] = deque()  # built, not yet handed to the path
+        waiting = 0  # events in it
+        try:
+            while True:
+                # keep the sockets served (credits, END, HELLO) between batches, but
+                # take no more while a backlog of 512 events waits for the path
+                if waiting < min(self.max_events, 512):
+                    if recv.pump(0 if backlog else 10):
+                        quiet_since = time.monotonic()
+                    for batch in builder.take_built():
+                        backlog.append(batch)
+                        waiting += len(batch)
+                if backlog:
+                    batch = backlog.popleft()
+                    waiting -= len(batch)
+                    t_out = time.monotonic()
+                    yield from stores_from_batch(batch, self.merge, self.experiment, self.run)
+                    # time the path spent on our events is not silence of the sources
+                    spent = time.monotonic() - t_out
+                    quiet_since += spent
+                    away[0] += spent
+                    continue
+                if _finished(recv, time.monotonic() - quiet_since, self.end_timeout_s):
+                    builder.flush()
+                    for batch in builder.take_built():
+                        yield from stores_from_batch(batch, self.merge, self.experiment, self.run)
+                    return
+        finally:
+            self.summary = recv.metrics()
+            if self.stats_file:
+                with open(self.stats_file, "w") as f:
+                    json.dump(self.summary, f)
+            log.info("%s", builder.summary_line())
+            recv.close()
+            ctx.term()

@@ -1,0 +1,196 @@
+"""The event builder core (pure logic, fake clock) and its wire formats."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from evflow.errors import ConfigurationError, ProtocolError
+from evflow.hlt import eventbuilder
+from evflow.hlt.built import decode_built, encode_built, stores_from_batch
+from evflow.hlt.eventbuilder import BuilderConfig, BuildState, EventBuilder
+from evflow.hlt.fragments import FragmentBatch, decode_fragments, encode_fragments
+from evflow.wire.messages import decode_message
+
+
+@pytest.fixture(autouse=True, params=["numpy", "scalar"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test on both paths: numpy (large batches) and scalar (a few fragments)."""
+    monkeypatch.setattr(eventbuilder, "SMALL_BATCH", 0 if request.param == "numpy" else 10**6)
+    return str(request.param)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def batch(src: int, ids: list[int] | range, size: int = 4) -> FragmentBatch:
+    arr = np.array(list(ids), np.int64)
+    lens = np.full(len(arr), size, np.int64)
+    data = b"".join(bytes([src % 256, i % 256]) * (size // 2) for i in arr.tolist())
+    return FragmentBatch(src, arr, lens, np.cumsum(lens) - lens, data)
+
+
+def builder(n: int = 3, **kw: object) -> tuple[EventBuilder, Clock]:
+    clock = Clock()
+    cfg = BuilderConfig(sources=list(range(n)), **kw)  # type: ignore[arg-type]
+    return EventBuilder(cfg, clock=clock), clock
+
+
+def built(b: EventBuilder) -> dict[int, tuple[int, list[int]]]:
+    out = {}
+    for bb in b.take_built():
+        for i in range(len(bb)):
+            out[int(bb.ids[i])] = (int(bb.states[i]), bb.missing_sources(i))
+    return out
+
+
+def test_complete_events_carry_every_fragment() -> None:
+    b, _ = builder(3)
+    for s in range(3):
+        assert b.add(batch(s, range(10))) == 10
+    (bb,) = b.take_built()
+    assert bb.ids.tolist() == list(range(10))
+    assert set(bb.states.tolist()) == {BuildState.COMPLETE}
+    frags = bb.fragments(7)
+    assert {s: bytes(v) for s, v in frags.items()} == {s: bytes([s, 7]) * 2 for s in range(3)}
+    assert b.n_open == 0 and b.open_bytes == 0
+    assert b.summary_line() == "event builder: built 10, incomplete 0, late 0, duplicate 0"
+
+
+def test_late_duplicate_unknown_far_are_counted_and_dropped() -> None:
+    b, _ = builder(2)
+    b.add(batch(0, range(5)))
+    b.add(batch(0, [3]))  # duplicate of an event in construction
+    b.add(batch(1, range(5)))  # all complete
+    b.add(batch(1, [2]))  # late: already built
+    b.add(batch(7, [6]))  # unknown source
+    b.add(batch(0, [5, 5]))  # repeated inside one batch
+    b.add(batch(0, [2**40]))  # far in the future
+    c = b.counters
+    assert (c.built, c.duplicate, c.late, c.unknown_source, c.far) == (5, 2, 1, 1, 1)
+    assert b.n_open == 1  # event 5, one fragment
+    assert len(built(b)) == 5
+
+
+def test_timeout_names_the_missing_source() -> None:
+    b, clock = builder(3, timeout_s=0.5, ordered=False)
+    b.add(batch(0, [1, 2]))
+    b.add(batch(1, [1, 2]))
+    clock.t += 0.4
+    b.poll()
+    assert built(b) == {}
+    clock.t += 0.2
+    b.poll()
+    assert built(b) == {1: (1, [2]), 2: (1, [2])}
+    assert b.incomplete_by_source == {0: 0, 1: 0, 2: 2}
+
+
+def test_inferred_when_the_missing_source_moved_past() -> None:
+    b, _ = builder(2, timeout_s=100)
+    b.add(batch(0, [1, 2, 3]))
+    b.add(batch(1, [1, 3]))  # source 1 skipped event 2 and went on
+    b.poll()
+    assert built(b) == {1: (0, []), 3: (0, []), 2: (2, [1])}
+
+
+def test_end_of_a_source_infers_its_missing_events() -> None:
+    b, _ = builder(2, timeout_s=100, ordered=False)
+    b.add(batch(0, [1, 2]))
+    b.add(batch(1, [1]))
+    b.poll()
+    assert 2 not in built(b)
+    b.end_source(1)
+    b.poll()
+    assert built(b) == {2: (2, [1])}
+
+
+def test_a_silent_source_does_not_stall_the_builder() -> None:
+    """Once a source is silent for the timeout, new events missing only it leave at once."""
+    b, clock = builder(2, timeout_s=1.0)
+    b.add(batch(0, [0]))
+    b.add(batch(1, [0]))
+    clock.t += 2.0  # source 1 stopped sending
+    b.add(batch(0, [1, 2, 3]))
+    b.poll()
+    assert built(b) == {0: (0, []), 1: (1, [1]), 2: (1, [1]), 3: (1, [1])}
+
+
+def test_memory_is_bounded_and_the_rest_waits() -> None:
+    b, _ = builder(2, max_events=4, max_bytes=10_000)
+    assert b.add(batch(0, range(10))) == 4  # room for 4 events in construction
+    assert b.n_open == 4 and b.counters.deferred == 1
+    one = batch(1, range(10))
+    assert b.add(one) == 4  # completes 0..3; room is counted per batch
+    assert b.n_open == 0
+    assert b.add(one.tail(4)) == 4  # the caller retries the rest: opens 4..7
+    zero = batch(0, range(4, 10))
+    assert b.add(zero) == 4  # completes 4..7
+    assert b.add(zero.tail(4)) == 2  # opens 8, 9
+    assert b.add(one.tail(8)) == 2
+    assert b.counters.complete == 10 and b.counters.max_in_construction == 4
+
+
+def test_byte_limit() -> None:
+    b, _ = builder(2, max_bytes=20)
+    assert b.add(batch(0, range(10), size=4)) == 5
+    assert b.open_bytes == 20
+
+
+def test_ring_window_defers_ids_too_far_ahead() -> None:
+    b, _ = builder(2, max_events=8)
+    b.add(batch(0, [0]))
+    assert b.add(batch(0, [b.capacity + 5])) == 0  # beyond the ring: wait
+    assert b.add(batch(1, [0])) == 1
+    assert b.add(batch(0, [b.capacity + 5])) == 1  # base moved on
+
+
+def test_config_errors() -> None:
+    with pytest.raises(ConfigurationError, match="distinct"):
+        BuilderConfig(sources=[1, 1]).check()
+    with pytest.raises(ConfigurationError, match="1 to 64"):
+        BuilderConfig(sources=list(range(65))).check()
+
+
+def test_fragment_wire_roundtrip_and_garbage() -> None:
+    frames = encode_fragments(3, [10, 11], [b"abc", b"de"])
+    fb = decode_fragments(decode_message(frames))
+    assert fb.source == 3 and fb.ids.tolist() == [10, 11] and fb.lengths.tolist() == [3, 2]
+    frames[1] = frames[1].replace(b"\x02\x00\x00\x00", b"\x09\x00\x00\x00")  # lie on a length
+    with pytest.raises(ProtocolError, match="add up"):
+        decode_fragments(decode_message(frames))
+    bad = decode_message(encode_fragments(3, [1], [b"x"]))
+    bad.header["e"] = b"1234567"
+    with pytest.raises(ProtocolError, match="do not match"):
+        decode_fragments(bad)
+
+
+def test_built_batch_to_stores_and_over_the_wire() -> None:
+    b, _ = builder(3, timeout_s=100)
+    b.add(batch(0, [4, 5]))
+    b.add(batch(2, [4, 5]))
+    b.add(batch(1, [4]))
+    b.end_source(1)
+    b.poll()
+    batches = b.take_built()
+    stores = [s for bb in batches for s in stores_from_batch(bb)]
+    wired = [s for bb in batches for s in decode_built(decode_message(encode_built(bb)))]
+    for got in (stores, wired):
+        assert [s.meta.uid for s in got] == [4, 5]
+        assert got[0]["hlt_state"] == 0 and got[1]["hlt_state"] == 2
+        assert got[1]["hlt_missing"].tolist() == [1]
+        assert "frag_1" not in got[1]
+        assert bytes(got[0]["frag_2"]) == bytes([2, 4]) * 2
+
+
+def test_merge_function() -> None:
+    b, _ = builder(2)
+    b.add(batch(0, [1]))
+    b.add(batch(1, [1]))
+    (bb,) = b.take_built()
+    (store,) = stores_from_batch(bb, merge=lambda e, f: {"all": b"".join(f[s] for s in sorted(f))})
+    assert store["all"] == bytes([0, 1, 0, 1, 1, 1, 1, 1])

@@ -1,0 +1,160 @@
+"""Device channels with transport=shm: payloads through a ring in /dev/shm, and cleanup
+after kill -9 of the sender, the receiver, or both."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+
+from evflow.errors import ConfigurationError
+from evflow.transport.channel import open_channel, parse_channel_config
+from evflow.transport.shm_channel import RING_PREFIX, ShmChannel, sweep_stale_rings
+from evflow.wire.messages import MsgType, decode_message, encode_message
+
+MB = 1 << 20
+
+
+def rings(pid: int | None = None) -> set[str]:
+    names = {n for n in os.listdir("/dev/shm") if n.startswith(RING_PREFIX)}
+    return {n for n in names if pid is None or n.startswith(f"{RING_PREFIX}{pid}-")}
+
+
+def chan(kind: str, method: str, address: str, extra: str = "") -> str:
+    return f"name=data,type={kind},method={method},address={address},transport=shm{extra}"
+
+
+def sink(session: str, stats: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [
+            *(sys.executable, "-m", "evflow", "device", "sink", "--id", "sink"),
+            *("--session", session, "--stats-file", str(stats), "--severity", "warn"),
+            *("--channel-config", chan("pull", "bind", "ipc://d")),
+            *("--channel-config", "name=data-ack,type=push,method=bind,address=ipc://da"),
+        ]
+    )
+
+
+def sampler(session: str, n: int, size: int = MB) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [
+            *(sys.executable, "-m", "evflow", "device", "sampler", "--id", "sampler"),
+            *("--session", session, "--max-iterations", str(n), "--msg-size", str(size)),
+            *("--severity", "warn", "--ack-timeout-s", "5"),
+            *("--channel-config", chan("push", "connect", "ipc://d", f",shmSize={8 * MB}")),
+            *("--channel-config", "name=data-ack,type=pull,method=connect,address=ipc://da"),
+        ]
+    )
+
+
+def wait_for(cond: object, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def kill(*procs: subprocess.Popen[bytes]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+        p.wait(10)
+
+
+def clean_run(session: str, tmp: Path) -> dict[str, int]:
+    """A fresh pair (the "next start"): 200 messages of 1 MB through the ring."""
+    s = sink(session, tmp / "ok.json")
+    p = sampler(session, 200)
+    try:
+        assert p.wait(60) == 0 and s.wait(60) == 0
+    finally:
+        kill(s, p)
+    return json.loads((tmp / "ok.json").read_text())["sink"]
+
+
+@pytest.mark.parametrize("victim", ["sender", "receiver", "both"])
+def test_kill_9_leaves_dev_shm_clean_after_the_next_start(tmp_path: Path, victim: str) -> None:
+    session = f"shmk-{victim}"
+    s = sink(session, tmp_path / "s.json")
+    p = sampler(session, 0)  # for ever
+    try:
+        wait_for(lambda: rings(p.pid))  # the sender's ring is in use
+        time.sleep(0.3)
+        if victim in ("sender", "both"):
+            p.send_signal(signal.SIGKILL)
+        if victim in ("receiver", "both"):
+            s.send_signal(signal.SIGKILL)
+        if victim == "receiver":
+            p.send_signal(signal.SIGKILL)  # a sender without receiver would wait for ever
+        kill(s, p)
+        assert rings(p.pid)  # left behind by the dead owner ...
+        got = clean_run(session, tmp_path)
+        assert got["received"] == got["announced"] == 200
+        assert got["payload_bytes"] == 200 * MB
+        assert not rings(p.pid)  # ... removed by the next start
+        assert not rings()  # and the new pair left nothing either
+    finally:
+        kill(s, p)
+
+
+def test_full_ring_falls_back_to_copying_and_bad_markers_are_dropped(tmp_path: Path) -> None:
+    ctx: zmq.Context[object] = zmq.Context()
+    addr = f"ipc://{tmp_path}/r"
+    (tx_cfg,) = parse_channel_config(chan("push", "bind", addr, f",shmSize={2 * MB}"))
+    (rx_cfg,) = parse_channel_config(chan("pull", "connect", addr))
+    tx = open_channel(ctx, tx_cfg, "shmfull")
+    rx = open_channel(ctx, rx_cfg, "shmfull")
+    try:
+        assert isinstance(tx, ShmChannel) and isinstance(rx, ShmChannel)
+        payload = bytes(range(256)) * 2048  # 512 kB
+        for _ in range(8):  # 4 MB into a 2 MB ring, nothing read yet: half must be copied
+            tx.send(encode_message(MsgType.EVENTS, None, [payload]))
+        assert tx.shm_frames_out >= 3 and tx.shm_copied >= 4
+        for _ in range(8):
+            assert rx.poll(5000)
+            msg = decode_message(rx.recv())
+            assert bytes(msg.payload[0]) == payload
+        assert rx.shm_frames_in == tx.shm_frames_out
+        tx.send(encode_message(MsgType.EVENTS, None, [payload]))  # room again (consumed)
+        assert rx.poll(5000) and bytes(decode_message(rx.recv()).payload[0]) == payload
+        assert tx.shm_copied <= 5
+        # a forged marker naming a foreign file: dropped as an unknown message, no crash
+        for entry in ([0, "/etc/passwd", 0, 10, 64], [0, f"{RING_PREFIX}1-other-x", 0, 1, 64]):
+            tx.socket.send_multipart([msgpack.packb([entry]), b"\x03", b"\x80", b""])
+            assert rx.poll(5000)
+            assert rx.recv()[0] == b"\x00"
+        assert rx.shm_bad == 2
+    finally:
+        tx.close(0)
+        rx.close(0)
+        ctx.term()
+    assert not rings(os.getpid())
+
+
+def test_shm_needs_a_one_to_one_socket_type() -> None:
+    with pytest.raises(ConfigurationError, match="with transport shm"):
+        parse_channel_config("name=x,type=router,method=bind,address=ipc://x,transport=shm")
+    with pytest.raises(ConfigurationError, match="zmq or shm"):
+        parse_channel_config("name=x,type=push,method=bind,address=ipc://x,transport=ofi")
+
+
+def test_sweep_removes_only_dead_owners() -> None:
+    live = Path("/dev/shm", f"{RING_PREFIX}{os.getpid()}-sweep-live")
+    dead_pid = 2**22 + 12345  # above pid_max: never a live process
+    dead = Path("/dev/shm", f"{RING_PREFIX}{dead_pid}-sweep-dead")
+    live.write_bytes(b"x")
+    dead.write_bytes(b"x")
+    try:
+        assert dead.name in sweep_stale_rings()
+        assert live.exists() and not dead.exists()
+    finally:
+        live.unlink(missing_ok=True)
+        dead.unlink(missing_ok=True)

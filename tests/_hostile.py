@@ -23,10 +23,12 @@ from typing import Any
 import psutil
 import zmq
 
+from evflow import Module
 from evflow.io.records import RecordReader, decode_record
 from evflow.wire.messages import MsgType, encode_message
 
 ENDPOINTS = ("events", "results", "back", "ctl")
+HERE = Path(__file__).parent
 
 _RUN = """
 import json, sys
@@ -35,8 +37,11 @@ from evflow.io.generators import BusyWork, ToyGenerator
 from evflow.io.records import RecordOutput
 out, n, work_ms, workers, extra = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), \\
     int(sys.argv[4]), json.loads(sys.argv[5])
-path = evflow.Path([ToyGenerator(n_events=n, payload_bytes=1000), BusyWork(work_ms=work_ms),
-                    RecordOutput(file=out, fsync=False)])
+modules = [ToyGenerator(n_events=n, payload_bytes=1000), BusyWork(work_ms=work_ms)]
+if sys.argv[6] == "attacker":
+    from _hostile import Attacker
+    modules.append(Attacker())
+path = evflow.Path([*modules, RecordOutput(file=out, fsync=False)])
 try:
     s = evflow.process(path, workers=workers, quiet=True, extra=extra)
 except evflow.EvflowError as exc:
@@ -63,10 +68,12 @@ class HostileRun:
         work_ms: float = 1.0,
         workers: int = 2,
         extra: dict[str, Any] | None = None,
+        attacker: bool = False,
     ) -> None:
         self.out = tmp_path / "out.evr"
         self.n = n
         self.args = [str(self.out), str(n), str(work_ms), str(workers), json.dumps(extra or {})]
+        self.args.append("attacker" if attacker else "-")
         self.ctx = zmq.Context()
         self.sockets: list[zmq.Socket[Any]] = []
         self.proc: subprocess.Popen[str] | None = None
@@ -79,6 +86,7 @@ class HostileRun:
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path])},
         )
         self.session = self._wait_session()
         return self
@@ -234,3 +242,88 @@ def garbage_messages() -> list[list[Any]]:
             out.append(msg(kind, header, [os.urandom(32)]))
     out.append(encode_message(MsgType.CONFIRM, {"n": 3}, [os.urandom(13)]))
     return out
+
+
+#: the user name a member would claim on each endpoint (ZAP allows only these there)
+MEMBER_USER = {"events": "worker-0", "results": "worker-0", "back": "output", "ctl": "input"}
+
+
+def forged_messages(n_uids: int) -> dict[str, list[list[Any]]]:
+    """What a compromised member of a run sends where it does most harm."""
+    from evflow.processing.parallel.batching import u64
+
+    uids = u64(range(n_uids))
+    hello_output = {"protocol": 1, "role": "output", "name": "output", "pid": os.getpid()}
+    return {
+        "back": [
+            encode_message(MsgType.CONFIRM, {"n": n_uids}, [uids]),
+            msg(MsgType.HELLO, {}),
+            msg(MsgType.HELLO, hello_output),
+            msg(MsgType.GOODBYE, {"written": 0}),
+        ],
+        "results": [
+            msg(MsgType.END, {}),
+            msg(MsgType.END, {"workers": [], "read": 0, "dropped": 0, "sent": 0}),
+            msg(MsgType.RESULT, {"w": "worker-0"}, [b"\x00garbage"]),
+        ],
+        "ctl": [
+            msg(MsgType.STATE, {"state": "ERROR", "name": "input", "error": "forged"}),
+            msg(MsgType.HELLO, {"role": "input", "name": "input", "pid": os.getpid()}),
+            msg(MsgType.STATE, {"state": "TIMEOUT", "name": "input", "worker": "worker-0"}),
+        ],
+        "events": [
+            msg(MsgType.HELLO, {"protocol": 1, "name": "worker-0", "pid": os.getpid()}),
+            msg(MsgType.READY, {"credit": 10**6, "t": 0.0}),
+            msg(MsgType.GOODBYE, {}),
+        ],
+    }
+
+
+class Attacker(Module):
+    """A compromised worker module: on its first event it opens sockets with the run's
+    own credentials (``security.current()``) and sends forged and garbage messages to
+    every socket of its session. Validation, not the connection check, must stop them."""
+
+    parallel = True
+
+    def __init__(self, name: str | None = None, **params: Any) -> None:
+        super().__init__(name, **params)
+        self.attacked = False
+
+    def event(self, store: Any) -> bool | None:
+        if not self.attacked:
+            self.attacked = True
+            attack_as_member(self_session(), int(store.meta.uid) + 2000)
+        return None
+
+
+def self_session() -> Path:
+    base = Path(os.environ["EVFLOW_RUNTIME_DIR"])
+    return next(d for d in base.iterdir() if (d / "events").exists())
+
+
+def attack_as_member(session: Path, n_uids: int) -> None:
+    from evflow.transport import security
+
+    auth = security.current()
+    assert auth is not None, "a role of a run without credentials"
+    ctx = zmq.Context()
+    sockets = []
+    try:
+        for name, frames_list in forged_messages(n_uids).items():
+            for kind in (zmq.DEALER, zmq.PUSH):
+                s = ctx.socket(kind)
+                sockets.append(s)
+                s.sndtimeo = 1000
+                auth.client(s, MEMBER_USER[name])
+                s.connect(f"ipc://{session / name}")
+                for frames in [*frames_list, *garbage_messages()[:40]]:
+                    try:
+                        s.send_multipart(frames)
+                    except zmq.ZMQError:
+                        break
+        time.sleep(0.2)  # let them leave before the sockets close
+    finally:
+        for s in sockets:
+            s.close(linger=0)
+        ctx.term()

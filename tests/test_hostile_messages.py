@@ -15,10 +15,9 @@ from pathlib import Path
 
 import zmq
 
+from _hostile import HostileRun, msg, send
 from evflow.processing.parallel.batching import pack_batch, u64
 from evflow.wire.messages import MsgType, encode_message, hello_header
-from tests._hostile import HostileRun, msg, send
-
 
 NO_AUTH = {"ipc_auth": False}
 
@@ -38,7 +37,7 @@ def test_garbage_event_bytes_on_the_results_socket_do_not_stop_the_run(tmp_path:
             header["w"] = "worker-0"
             payload = pack_batch([[b"garbage %d" % u] for u in uids], header, packed=True)
             send(push, encode_message(MsgType.EVENTS, header, payload))
-        rc, summary, err = run.finish()
+        rc, _, err = run.finish()
         assert rc == 0, err
         run.assert_exactly_once()
 
@@ -49,7 +48,7 @@ def test_end_with_an_empty_header_does_not_crash_the_output(tmp_path: Path) -> N
         push = run.connect(zmq.PUSH, "results")
         _settle(run)
         send(push, msg(MsgType.END, {}))
-        rc, summary, err = run.finish()
+        rc, _, err = run.finish()
         assert rc == 0, err
         run.assert_exactly_once()
 
@@ -73,7 +72,7 @@ def test_hello_with_an_odd_map_on_the_back_socket_is_not_a_new_output(tmp_path: 
         for header in ({}, {"x": 1}, hello_header(role="output", name="output", pid=1)):
             dealer = run.connect(zmq.DEALER, "back")
             send(dealer, msg(MsgType.HELLO, header))
-        rc, summary, err = run.finish(timeout_s=45)
+        rc, _, err = run.finish(timeout_s=45)
         assert rc == 0, err
         run.assert_exactly_once()
 
@@ -85,7 +84,7 @@ def test_hello_with_an_infinite_pid_on_the_events_socket(tmp_path: Path) -> None
         _settle(run)
         for pid in (float("inf"), float("nan"), 2**64 - 1, -5, "12"):
             send(dealer, msg(MsgType.HELLO, hello_header(name="worker-9", pid=pid)))
-        rc, summary, err = run.finish()
+        rc, _, err = run.finish()
         assert rc == 0, err
         run.assert_exactly_once()
 
@@ -120,7 +119,8 @@ def test_a_forged_state_error_on_ctl_does_not_abort_the_run(tmp_path: Path) -> N
             send(dealer, msg(MsgType.STATE, header))
             send(dealer, msg(MsgType.HELLO, {"role": name, "name": name, "pid": 1}))
             send(dealer, msg(MsgType.STATE, header))
-        send(dealer, msg(MsgType.STATE, {"state": "TIMEOUT", "name": "input", "worker": "worker-0"}))
+        timeout = {"state": "TIMEOUT", "name": "input", "worker": "worker-0"}
+        send(dealer, msg(MsgType.STATE, timeout))
         rc, summary, err = run.finish()
         assert rc == 0, err
         assert "forged" not in err

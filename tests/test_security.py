@@ -26,7 +26,6 @@ from evflow.transport.security import (
 )
 from evflow.transport.sessions import secure_dir
 
-
 _OPEN: list[Any] = []  # sockets of the running test, closed by the fixture
 
 

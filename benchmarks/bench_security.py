@@ -9,7 +9,9 @@ Each round runs, interleaved so that both see the same machine load:
   the run's secret, a ZAP handler thread in the parent, the input and the output);
   events/s and the input's and output's CPU per event;
 - start-up with 2 and 8 workers: seconds from ``run_parallel`` to the first event
-  processed and to every worker's HELLO (each connection is one ZAP round trip).
+  processed and to every worker's HELLO (each connection is one ZAP round trip);
+- the handshake alone: milliseconds from ``connect`` to the first message received
+  over ipc, NULL vs PLAIN checked by the ZAP handler (peer credentials included).
 
 Reports the median of the rounds per figure and the ratio on/off.
 """
@@ -18,12 +20,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
+import time
 from typing import Any
+
+import zmq
 
 import evflow
 from evflow.io import BusyWork, ToyGenerator
 from evflow.processing.options import ProcessOptions
 from evflow.processing.parallel import run_parallel
+from evflow.transport.security import RunAuth
 
 
 def run(n: int, workers: int, auth: bool) -> Any:
@@ -49,6 +56,33 @@ def startup_row(workers: int, auth: bool) -> dict[str, float]:
     }
 
 
+def handshake_ms(auth: bool, n: int = 200) -> float:
+    """Mean ms from a PUSH's connect to its first message arriving at a PULL (ipc)."""
+    ctx = zmq.Context()
+    run_auth = RunAuth.generate(zygote_pid=0)
+    handler = run_auth.handler(ctx, "bench", {}) if auth else None
+    with tempfile.TemporaryDirectory() as tmp:
+        server = ctx.socket(zmq.PULL)
+        if auth:
+            run_auth.server(server, "ctl")
+        server.bind(f"ipc://{tmp}/s")
+        t0 = time.perf_counter()
+        for _ in range(n):
+            client = ctx.socket(zmq.PUSH)
+            if auth:
+                run_auth.client(client, "worker-0")
+            client.connect(f"ipc://{tmp}/s")
+            client.send(b"x")
+            server.recv()
+            client.close(linger=0)
+        elapsed = time.perf_counter() - t0
+        server.close(linger=0)
+    if handler is not None:
+        handler.close()
+    ctx.term()
+    return 1000 * elapsed / n
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer events (a smoke run)")
@@ -61,6 +95,7 @@ def main() -> None:
             row = chain_row(n, auth)
             for p in (2, 8):
                 row.update(startup_row(p, auth))
+            row["handshake ms"] = handshake_ms(auth)
             rows[auth].append(row)
     print(f"\nconnection check off vs on: median of {args.rounds} rounds, 1 kB chain of {n}")
     print(f"{'figure':28s} {'off':>10s} {'on':>10s} {'on/off':>8s}")

@@ -71,8 +71,13 @@ ROLE_PEERS: dict[str, Callable[[str], bool]] = {
 
 
 def run_of(header_value: Any) -> RunMeta | None:
-    """A ``[experiment, run]`` pair from a header (None stays None)."""
-    return RunMeta(int(header_value[0]), int(header_value[1])) if header_value else None
+    """A ``[experiment, run]`` pair from a header (None, or anything else, gives None)."""
+    if type(header_value) is not list or len(header_value) != 2:
+        return None
+    experiment, run = header_value
+    if type(experiment) is not int or type(run) is not int:
+        return None
+    return RunMeta(experiment, run)
 
 
 def error_message(role: str, exc: BaseException) -> list[Any]:

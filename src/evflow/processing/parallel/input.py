@@ -310,12 +310,13 @@ class _Input:
         slot = self.workers.get(ident)
         header = msg.header
         if msg.type == MsgType.READY:
-            if slot is None:
-                raise refuse("unknown-peer", "READY from a worker that never said HELLO")
+            if slot is None:  # (a worker taken off the roster: its last READY is void)
+                return
             done = field_int(header, "credit", 0, MAX_CREDIT)
             if "t" in header:
-                if done > slot.inflight:
-                    raise refuse("bad-credit", f"{slot.name} returned {done} credits, holds fewer")
+                if done > slot.inflight:  # never more credit than it holds: clamped, counted
+                    self.bad.record("bad-credit", f"{slot.name} returned {done}, held fewer")
+                    done = slot.inflight
                 t = header["t"]
                 if t is not None:  # None: skipped (an obsolete shm message)
                     t = field_float(header, "t", 0.0, 1e6)
@@ -348,7 +349,9 @@ class _Input:
             self.roster.hello(name)
             if self.end_sent:
                 self.router.send_multipart([ident, *self._end_message()])
-        elif msg.type == MsgType.GOODBYE and slot is not None:
+        elif msg.type == MsgType.GOODBYE:
+            if slot is None:
+                return
             self.goodbye.append(slot.name)
             del self.workers[ident]
             # a worker recycled early (memory limit) may leave messages it never read;
@@ -357,6 +360,8 @@ class _Input:
             self.resend.extend(e for e in entries if not e.poisoned)
             if msg.header.get("recycled"):  # (at the end of the run nothing is left)
                 self.roster.recycled(slot.name, time.monotonic())
+        else:
+            raise refuse("unexpected", f"{msg.type.name} on the events socket")
 
     def _on_output(self, frames: list[Any]) -> None:
         ident = frames[0].bytes
@@ -379,6 +384,8 @@ class _Input:
             if not self.output_end_sent:
                 raise refuse("early-goodbye", "GOODBYE from the output before END was sent")
             self.done = True
+        else:
+            raise refuse("unexpected", f"{msg.type.name} on the back socket")
 
     def _output_hello(self, ident: bytes, frame: Any, header: dict[Any, Any]) -> None:
         """An output introduces itself: the first one, or a restarted one (the previous

@@ -475,9 +475,8 @@ class _Output:
                 continue
             merge_into(merged, self.results[name], f"worker {name}")
         merge_into(self.chain.persistent, merged, "workers")
-        if self.chain.run is None and self.end.get("run"):
-            run = run_of(self.end["run"])
-            assert run is not None
+        run = run_of(self.end.get("run"))
+        if self.chain.run is None and run is not None:
             self.chain.switch_run(run.experiment, run.run)
         # the output path's end_run and terminate see the merged objects
         self.chain.end_run()

@@ -279,9 +279,8 @@ class _Worker:
 
     def _finish(self, last_run: Any, recycled: bool = False) -> None:
         chain = self.chain
-        if chain.run is None and last_run:
-            run = run_of(last_run)
-            assert run is not None
+        run = run_of(last_run)
+        if chain.run is None and run is not None:
             chain.switch_run(run.experiment, run.run)  # a worker without events books too
         chain.end_run()
         chain.terminate()

@@ -14,14 +14,23 @@ Each round runs, interleaved so that both see the same machine load:
   over ipc, NULL vs PLAIN checked by the ZAP handler (peer credentials included).
 
 Reports the median of the rounds per figure and the ratio on/off.
+
+``--base-src DIR`` instead compares two source trees (e.g. ``git archive`` of the
+commit before the hostile-input work, unpacked): the 1 kB chain in subprocesses,
+alternating the base tree and this one, with each tree's defaults.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -83,11 +92,48 @@ def handshake_ms(auth: bool, n: int = 200) -> float:
     return 1000 * elapsed / n
 
 
+_CHAIN = """
+import json, evflow
+from evflow.io import BusyWork, ToyGenerator
+from evflow.processing.options import ProcessOptions
+from evflow.processing.parallel import run_parallel
+n = 100000
+p = evflow.Path([ToyGenerator(n_events=n, payload_bytes=1024), BusyWork(work_ms=0.0)])
+s = run_parallel(p, ProcessOptions(workers=2, quiet=True))
+c = s.counters
+print(json.dumps({"events/s": n / s.wall_s, "input us/event": 1e6 * c["input CPU (s)"] / n,
+                  "output us/event": 1e6 * c["output CPU (s)"] / n,
+                  "first event s": c["start-up to first event (s)"]}))
+"""
+
+
+def compare_trees(base_src: str, rounds: int) -> None:
+    this_src = str(Path(__file__).resolve().parents[1] / "src")
+    rows: dict[str, list[dict[str, float]]] = {"base": [], "this": []}
+    for _ in range(rounds):
+        for label, src in (("base", base_src), ("this", this_src)):
+            env = {**os.environ, "PYTHONPATH": src}
+            out = subprocess.run(
+                [sys.executable, "-c", _CHAIN], env=env, capture_output=True, text=True, check=True
+            ).stdout
+            rows[label].append(json.loads(out.strip().splitlines()[-1]))
+    print(f"\nbase tree vs this one: median of {rounds} rounds, 1 kB chain of 100000")
+    print(f"{'figure':28s} {'base':>10s} {'this':>10s} {'this/base':>9s}")
+    for key in rows["base"][0]:
+        base = statistics.median(r[key] for r in rows["base"])
+        this = statistics.median(r[key] for r in rows["this"])
+        print(f"{key:28s} {base:10.4g} {this:10.4g} {this / base:9.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer events (a smoke run)")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--base-src", help="compare this source tree with another one")
     args = parser.parse_args()
+    if args.base_src:
+        compare_trees(args.base_src, args.rounds)
+        return
     n = 25_000 if args.quick else 100_000
     rows: dict[bool, list[dict[str, float]]] = {False: [], True: []}
     for _ in range(args.rounds):

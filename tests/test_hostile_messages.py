@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import zmq
 
@@ -20,6 +21,13 @@ from evflow.processing.parallel.batching import pack_batch, u64
 from evflow.wire.messages import MsgType, encode_message, hello_header
 
 NO_AUTH = {"ipc_auth": False}
+
+
+def _assert_undisturbed(summary: dict[str, Any]) -> None:
+    """No role crashed on the way (a restart would hide a crash behind a complete file)."""
+    counters = summary["counters"]
+    assert counters["output restarts"] == counters["input restarts"] == 0, counters
+    assert counters["events lost"] == 0
 
 
 def _settle(run: HostileRun) -> None:
@@ -37,9 +45,10 @@ def test_garbage_event_bytes_on_the_results_socket_do_not_stop_the_run(tmp_path:
             header["w"] = "worker-0"
             payload = pack_batch([[b"garbage %d" % u] for u in uids], header, packed=True)
             send(push, encode_message(MsgType.EVENTS, header, payload))
-        rc, _, err = run.finish()
+        rc, summary, err = run.finish()
         assert rc == 0, err
         run.assert_exactly_once()
+        _assert_undisturbed(summary)
 
 
 def test_end_with_an_empty_header_does_not_crash_the_output(tmp_path: Path) -> None:
@@ -48,9 +57,10 @@ def test_end_with_an_empty_header_does_not_crash_the_output(tmp_path: Path) -> N
         push = run.connect(zmq.PUSH, "results")
         _settle(run)
         send(push, msg(MsgType.END, {}))
-        rc, _, err = run.finish()
+        rc, summary, err = run.finish()
         assert rc == 0, err
         run.assert_exactly_once()
+        _assert_undisturbed(summary)
 
 
 def test_a_forged_end_does_not_make_the_output_finish_early(tmp_path: Path) -> None:
@@ -62,6 +72,7 @@ def test_a_forged_end_does_not_make_the_output_finish_early(tmp_path: Path) -> N
         rc, summary, err = run.finish()
         assert rc == 0, err
         run.assert_exactly_once()
+        _assert_undisturbed(summary)
         assert summary["counters"]["events lost"] == 0
 
 
@@ -72,9 +83,10 @@ def test_hello_with_an_odd_map_on_the_back_socket_is_not_a_new_output(tmp_path: 
         for header in ({}, {"x": 1}, hello_header(role="output", name="output", pid=1)):
             dealer = run.connect(zmq.DEALER, "back")
             send(dealer, msg(MsgType.HELLO, header))
-        rc, _, err = run.finish(timeout_s=45)
+        rc, summary, err = run.finish(timeout_s=45)
         assert rc == 0, err
         run.assert_exactly_once()
+        _assert_undisturbed(summary)
 
 
 def test_hello_with_an_infinite_pid_on_the_events_socket(tmp_path: Path) -> None:
@@ -84,9 +96,10 @@ def test_hello_with_an_infinite_pid_on_the_events_socket(tmp_path: Path) -> None
         _settle(run)
         for pid in (float("inf"), float("nan"), 2**64 - 1, -5, "12"):
             send(dealer, msg(MsgType.HELLO, hello_header(name="worker-9", pid=pid)))
-        rc, _, err = run.finish()
+        rc, summary, err = run.finish()
         assert rc == 0, err
         run.assert_exactly_once()
+        _assert_undisturbed(summary)
 
 
 def test_forged_confirms_do_not_make_the_ledger_forget_events(tmp_path: Path) -> None:
@@ -106,6 +119,7 @@ def test_forged_confirms_do_not_make_the_ledger_forget_events(tmp_path: Path) ->
         rc, summary, err = run.finish()
         assert rc == 0, err
         run.assert_exactly_once()
+        _assert_undisturbed(summary)
         assert summary["counters"]["events lost"] == 0
 
 
@@ -125,4 +139,5 @@ def test_a_forged_state_error_on_ctl_does_not_abort_the_run(tmp_path: Path) -> N
         assert rc == 0, err
         assert "forged" not in err
         run.assert_exactly_once()
+        _assert_undisturbed(summary)
         assert summary["counters"]["workers lost"] == 0

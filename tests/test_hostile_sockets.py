@@ -30,6 +30,7 @@ def test_every_socket_type_on_every_endpoint_gets_nothing_acted_on(tmp_path: Pat
         rc, summary, err = run.finish()
         assert rc == 0, err
         run.assert_exactly_once()
+        assert summary["counters"]["output restarts"] == summary["counters"]["input restarts"] == 0
         assert summary["counters"]["events lost"] == 0
         # the handlers saw them (the parent, input and output count what they drop)
         assert summary["counters"].get("malformed messages", 0) > 0

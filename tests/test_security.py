@@ -199,6 +199,7 @@ def test_outsiders_get_nothing_acted_on_in_a_real_run(tmp_path: Path) -> None:
         rc, summary, err = run.finish()
         assert rc == 0, err
         run.assert_exactly_once()
+        assert summary["counters"]["output restarts"] == summary["counters"]["input restarts"] == 0
         # refused at the handshake: not one message reached a handler
         assert "malformed messages" not in summary["counters"]
         assert "refused a connection" in err
@@ -211,6 +212,7 @@ def test_a_compromised_member_with_the_secret_still_meets_validation(tmp_path: P
         rc, summary, err = run.finish()
         assert rc == 0, err
         run.assert_exactly_once()
+        assert summary["counters"]["output restarts"] == summary["counters"]["input restarts"] == 0
         assert summary["counters"]["events lost"] == 0
         assert summary["counters"]["workers lost"] == 0
         assert summary["counters"]["malformed messages"] > 0

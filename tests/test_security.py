@@ -202,6 +202,7 @@ def test_outsiders_get_nothing_acted_on_in_a_real_run(tmp_path: Path) -> None:
         assert summary["counters"]["output restarts"] == summary["counters"]["input restarts"] == 0
         # refused at the handshake: not one message reached a handler
         assert "malformed messages" not in summary["counters"]
+        assert summary["counters"]["connections refused"] >= len(ENDPOINTS)
         assert "refused a connection" in err
 
 

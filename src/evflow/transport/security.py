@@ -53,6 +53,7 @@ __all__ = [
     "output_only",
     "parent_of",
     "peer_pid",
+    "refused_total",
     "workers_only",
 ]
 
@@ -202,6 +203,7 @@ class ZapHandler:
         self._wake_w.connect(f"inproc://evflow-zap-stop-{id(self)}")
         self._thread = threading.Thread(target=self._serve, name="evflow-zap", daemon=True)
         self._thread.start()
+        _handlers.append(self)
 
     def _at(self) -> str:
         return f" of {self.where}" if self.where else ""
@@ -211,6 +213,8 @@ class ZapHandler:
 
     def close(self) -> None:
         """Stop the thread and close its sockets (before the context terminates)."""
+        if self in _handlers:
+            _handlers.remove(self)
         if not self._thread.is_alive():
             return
         with contextlib.suppress(zmq.ZMQError):
@@ -331,6 +335,7 @@ class RunAuth:
 
 
 _current: RunAuth | None = None
+_handlers: list[ZapHandler] = []  # this process's handlers (their refusals are reported)
 
 
 def install(auth: RunAuth | None) -> None:
@@ -342,6 +347,11 @@ def install(auth: RunAuth | None) -> None:
 def current() -> RunAuth | None:
     """This process's run credentials (None outside a run, or with ``ipc_auth`` off)."""
     return _current
+
+
+def refused_total() -> int:
+    """Connections the ZAP handlers of this process refused so far (all reasons)."""
+    return sum(sum(h.refused.values()) for h in _handlers)
 
 
 def workers_only(user: str) -> bool:

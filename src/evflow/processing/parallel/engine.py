@@ -138,6 +138,7 @@ class Parent:
         # time (transport/security.py); ``ipc_auth=False`` turns it off (benchmarks)
         self.ipc_auth = bool(extra.get("ipc_auth", True))
         self.auth: RunAuth | None = None
+        self.refused = 0  # connections to ctl the ZAP handler refused
 
     # --- life cycle ---------------------------------------------------------------------
     def run(self) -> RunSummary:
@@ -196,6 +197,7 @@ class Parent:
             if ctl is not None:
                 ctl.close(linger_ms=0)
             if zap is not None:
+                self.refused = sum(zap.refused.values())
                 zap.close()
             if ctx is not None:
                 ctx.term()
@@ -614,6 +616,9 @@ class Parent:
         bad = int(inp.get("bad", 0)) + int(out_header.get("bad", 0)) + self.bad.total
         if bad:
             counters["malformed messages"] = bad
+        refused = int(inp.get("refused", 0)) + int(out_header.get("refused", 0)) + self.refused
+        if refused:  # security: connections without the run's secret, or from outside it
+            counters["connections refused"] = refused
         return RunSummary(
             events_read=int(inp.get("read", 0)),
             events_written=int(out_header.get("written", 0)),

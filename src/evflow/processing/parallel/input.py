@@ -50,7 +50,7 @@ from evflow.processing.parallel.ledger import Failure, Ledger, LedgerEntry
 from evflow.processing.parallel.persist import encode_persistent
 from evflow.processing.parallel.rolebus import IDLE_WAIT_MS, wait_ms
 from evflow.processing.parallel.roster import Roster
-from evflow.transport.security import is_alive, is_sibling, peer_pid
+from evflow.transport.security import is_alive, is_sibling, peer_pid, refused_total
 from evflow.transport.shm import ShmArena
 from evflow.wire.codec import encode_event
 from evflow.wire.messages import (
@@ -258,6 +258,7 @@ class _Input:
             "dropped": self.dropped,
             "sent": self.next_seq - self.start_seq,
             "bad": self.bad.total,
+            "refused": refused_total(),  # connections the ZAP handler refused
             "batches": self.next_bid,
             "quarantined": self.quarantined,
             "shm_full": self.shm.full if self.shm is not None else 0,

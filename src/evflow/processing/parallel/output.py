@@ -41,6 +41,7 @@ from evflow.processing.parallel.fills import Fills
 from evflow.processing.parallel.persist import decode_persistent, encode_persistent, merge_into
 from evflow.processing.parallel.reorder import SKIP, ReorderBuffer
 from evflow.processing.parallel.rolebus import wait_ms
+from evflow.transport import security
 from evflow.transport.paths import session_dir
 from evflow.transport.shm import ShmViews
 from evflow.wire.codec import decode_event, peek_meta, with_meta, with_value
@@ -508,6 +509,7 @@ class _Output:
             "skipped": [*skipped, *self.fills.not_merged()],
             "fills": self.fills.counters(),
             "bad": self.bad.total,
+            "refused": security.refused_total(),  # connections the ZAP handler refused
             "input": self.end or {},
             "cpu_s": time.process_time(),
             "first_result_at": self.first_result_at,

@@ -394,7 +394,9 @@ def test_sigkill_of_the_input_restarts_it_from_the_checkpoint_and_the_run_comple
 ) -> None:
     out = tmp_path / "i.evr"
     ckpt = FsPath(str(out) + ".ckpt")
-    killer = _kill_role_when("input", lambda: ckpt.exists() and out.stat().st_size > 300_000)
+    killer = _kill_role_when(
+        "input", lambda: ckpt.exists() and out.exists() and out.stat().st_size > 300_000
+    )
     summary = evflow.process(
         _busy_path(out, 4000), workers=2, quiet=True, extra={"checkpoint_interval_s": 0.1}
     )

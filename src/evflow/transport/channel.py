@@ -20,7 +20,7 @@ import contextlib
 import errno
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -215,9 +215,16 @@ IPC_RECONNECT_IVL_MAX_MS = 100
 
 
 def open_channel(
-    context: zmq.Context[Any], config: ChannelConfig, session: str, index: int = 0
+    context: zmq.Context[Any],
+    config: ChannelConfig,
+    session: str,
+    index: int = 0,
+    configure: Callable[[zmq.Socket[Any]], None] | None = None,
 ) -> Channel:
     """Create the socket of ``config``, apply its options, bind/connect every endpoint.
+
+    ``configure(socket)`` runs before the first bind or connect: security options
+    (``transport/security.py``) must be set by then.
 
     Returns a Channel whose ``endpoints`` are the real ones (tcp port 0 and bare
     ``ipc://`` resolved). Raises ConfigurationError when an address is in use or
@@ -242,6 +249,8 @@ def open_channel(
             sock.setsockopt(zmq.SUBSCRIBE, b"")
         elif config.type == "xsub":
             sock.send(b"\x01")  # subscribe to everything
+        if configure is not None:
+            configure(sock)
         label = f"{config.name}-{index}"
         for ep in config.endpoints:
             method = ep.method or config.method

@@ -21,11 +21,13 @@ import json
 import logging
 import os
 import socket
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil  # type: ignore[import-untyped]
 
+from evflow.errors import ConfigurationError
 from evflow.transport.paths import (
     ipc_listening,
     remove_session_files,
@@ -33,7 +35,14 @@ from evflow.transport.paths import (
     session_dir,
 )
 
-__all__ = ["OWNER_FILE", "Owner", "claim_session", "read_owner", "remove_stale_sessions"]
+__all__ = [
+    "OWNER_FILE",
+    "Owner",
+    "claim_session",
+    "read_owner",
+    "remove_stale_sessions",
+    "secure_dir",
+]
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +74,38 @@ class Owner:
             return True  # cannot tell (e.g. access denied): treat as alive
 
 
+def secure_dir(path: Path) -> None:
+    """Make ``path`` (a directory of ours) readable and searchable by its owner only.
+
+    Whoever can search a session directory can connect to its ipc sockets, so the
+    runtime base directory and every session directory are mode 0700. A directory
+    that is a symbolic link or belongs to another user is refused: in a shared /tmp
+    someone else may have made it first, to watch or hijack our sockets.
+    """
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise ConfigurationError(f"cannot inspect session directory {path}: {exc}") from None
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise ConfigurationError(
+            f"{path} is not a directory (a symbolic link?); remove it or set "
+            "EVFLOW_RUNTIME_DIR to a directory of your own"
+        )
+    if st.st_uid != os.getuid():
+        raise ConfigurationError(
+            f"{path} belongs to user {st.st_uid}, not to you ({os.getuid()}): another user "
+            "could reach the run's sockets; set EVFLOW_RUNTIME_DIR to a directory of your own"
+        )
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+
+
 def claim_session(session: str) -> Path:
-    """Create the directory of ``session`` and record this process as its owner."""
+    """Create the directory of ``session`` (mode 0700, in a base directory of ours,
+    mode 0700) and record this process as its owner."""
     path = session_dir(session)
+    secure_dir(path.parent)
+    secure_dir(path)
     me = psutil.Process()
     text = json.dumps(
         {"version": 1, "pid": me.pid, "started_s": me.create_time(), "host": socket.gethostname()}

@@ -31,7 +31,13 @@ __all__ = [
     "check_hello",
     "decode_message",
     "encode_message",
+    "field_bytes",
+    "field_float",
+    "field_int",
+    "field_list",
+    "field_str",
     "hello_header",
+    "refuse",
     "split_identity",
 ]
 
@@ -167,6 +173,68 @@ def check_hello(header: dict[Any, Any]) -> None:
             f"peer speaks evflow protocol version {theirs!r}, we speak {PROTOCOL_VERSION}; "
             "run the same evflow version on every host",
         )
+
+
+# --- header fields: typed, ranged access for handlers of untrusted messages ------------
+#: the largest value a uid or pid field may hold (what the wire's uint64 arrays hold)
+U64_MAX = 2**64 - 1
+I64_MAX = 2**63 - 1
+
+
+def field_int(header: dict[Any, Any], key: str, lo: int = 0, hi: int = I64_MAX) -> int:
+    """``header[key]`` as an int in ``[lo, hi]`` (bools, floats and strings refused)."""
+    value = header.get(key)
+    if type(value) is not int or not lo <= value <= hi:
+        raise _bad(
+            "bad-field", f"field {key!r} is {_short(value)}; expected an int in [{lo}, {hi}]"
+        )
+    return value
+
+
+def field_float(header: dict[Any, Any], key: str, lo: float = 0.0, hi: float = 1e9) -> float:
+    """``header[key]`` as a finite number in ``[lo, hi]``."""
+    value = header.get(key)
+    if type(value) not in (int, float) or not lo <= value <= hi:  # (NaN fails too)
+        raise _bad(
+            "bad-field", f"field {key!r} is {_short(value)}; expected a number in [{lo}, {hi}]"
+        )
+    return float(value)
+
+
+def field_str(header: dict[Any, Any], key: str, max_len: int = 256) -> str:
+    """``header[key]`` as a string of at most ``max_len`` characters."""
+    value = header.get(key)
+    if type(value) is not str or len(value) > max_len:
+        raise _bad("bad-field", f"field {key!r} is {_short(value)}; expected a short string")
+    return value
+
+
+def field_bytes(header: dict[Any, Any], key: str, multiple: int = 1) -> bytes:
+    """``header[key]`` as bytes whose length is a multiple of ``multiple``."""
+    value = header.get(key)
+    if type(value) is not bytes or len(value) % multiple:
+        raise _bad(
+            "bad-field", f"field {key!r} is {_short(value)}; expected bytes, {multiple} per item"
+        )
+    return value
+
+
+def field_list(header: dict[Any, Any], key: str, max_len: int = 1 << 20) -> list[Any]:
+    """``header[key]`` as a list of at most ``max_len`` items."""
+    value = header.get(key)
+    if type(value) is not list or len(value) > max_len:
+        raise _bad("bad-field", f"field {key!r} is {_short(value)}; expected a list")
+    return value
+
+
+def refuse(kind: str, text: str) -> ProtocolError:
+    """A ProtocolError of ``kind`` for a handler to raise (counted by BadMessageCounter)."""
+    return _bad(kind, text)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class BadMessageCounter:

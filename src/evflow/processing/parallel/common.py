@@ -13,6 +13,7 @@ and every role is also a node on the run's control bus (``rolebus.py``).
 
 from __future__ import annotations
 
+import functools
 import gc
 from collections.abc import Callable
 from typing import Any
@@ -24,18 +25,30 @@ from evflow.processing.datastore import RunMeta
 from evflow.processing.parallel.rolebus import RoleBus
 from evflow.processing.parallel.split import SplitPath
 from evflow.runtime.states import State
+from evflow.transport import security
 from evflow.transport.channel import Channel, ChannelConfig, open_channel
 from evflow.wire.messages import MsgType, encode_message
 
 __all__ = ["EXIT_ERROR", "RoleBus", "channel", "current_split", "run_role"]
 
 
-def channel(ctx: zmq.Context[Any], session: str, name: str, kind: str, method: str) -> Channel:
+def channel(
+    ctx: zmq.Context[Any], session: str, name: str, kind: str, method: str, user: str = ""
+) -> Channel:
     """Open the run's channel ``name`` (an ipc file in the session directory).
 
     High-water marks are unlimited: credits bound what is in flight, and a ROUTER
-    at its high-water mark would drop messages silently.
+    at its high-water mark would drop messages silently. With the run's credentials
+    installed (``security.current()``), a bound channel is a PLAIN server in ZAP
+    domain ``name`` and a connecting one presents the secret as ``user``.
     """
+    auth = security.current()
+    configure = None
+    if auth is not None:
+        if method == "bind":
+            configure = functools.partial(auth.server, domain=name)
+        else:
+            configure = functools.partial(auth.client, user=user)
     config = ChannelConfig(
         name=name,
         type=kind,
@@ -46,12 +59,25 @@ def channel(ctx: zmq.Context[Any], session: str, name: str, kind: str, method: s
         linger=0,
         rateLogging=0,
     )
-    return open_channel(ctx, config, session)
+    return open_channel(ctx, config, session, configure=configure)
+
+
+#: who may connect to each socket a role binds (ZAP, transport/security.py)
+ROLE_PEERS: dict[str, Callable[[str], bool]] = {
+    "events": security.workers_only,
+    "results": security.workers_only,
+    "back": security.output_only,
+}
 
 
 def run_of(header_value: Any) -> RunMeta | None:
-    """A ``[experiment, run]`` pair from a header (None stays None)."""
-    return RunMeta(int(header_value[0]), int(header_value[1])) if header_value else None
+    """A ``[experiment, run]`` pair from a header (None, or anything else, gives None)."""
+    if type(header_value) is not list or len(header_value) != 2:
+        return None
+    experiment, run = header_value
+    if type(experiment) is not int or type(run) is not int:
+        return None
+    return RunMeta(experiment, run)
 
 
 def error_message(role: str, exc: BaseException) -> list[Any]:
@@ -88,6 +114,7 @@ def run_role(
     session: str,
     body: Callable[[zmq.Context[Any], list[Channel], RoleBus], int],
     on_error: Callable[[], None] | None = None,
+    auth: security.RunAuth | None = None,
 ) -> int:
     """Run a forked role's ``body`` in its own zmq context; return its exit code.
 
@@ -95,12 +122,18 @@ def run_role(
     gets the role's node on the run's control bus (rolebus.py; closed here, EXITING,
     or ERROR on a failure). An EvflowError becomes one STATE ERROR message to the
     parent on ctl (after ``on_error``, e.g. closing writers) and exit code EXIT_ERROR;
-    every channel and the context are closed whatever happens.
+    every channel and the context are closed whatever happens. ``auth`` (the run's
+    credentials) secures every channel; the input and output, which bind, check their
+    peers with a ZAP handler (only processes of the run, holding the secret).
     """
     gc.freeze()  # what the zygote imported is never garbage: keep it out of every scan
     gc.set_threshold(*GC_THRESHOLDS)
+    security.install(auth)
     ctx = zmq.Context()
     channels: list[Channel] = []
+    zap = None
+    if auth is not None and role in ("input", "output"):
+        zap = auth.handler(ctx, role, ROLE_PEERS)  # before any socket binds
     bus = RoleBus(ctx, session, role)
     try:
         return body(ctx, channels, bus)
@@ -121,6 +154,8 @@ def run_role(
         bus.close()
         for ch in channels:
             ch.close(linger_ms=ch.socket.linger)
+        if zap is not None:
+            zap.close()
         ctx.term()
 
 

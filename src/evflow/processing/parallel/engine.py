@@ -29,7 +29,13 @@ from typing import Any
 import zmq
 
 from evflow import errors
-from evflow.errors import ConfigurationError, EvflowError, ModuleError, PeerLostError
+from evflow.errors import (
+    ConfigurationError,
+    EvflowError,
+    ModuleError,
+    PeerLostError,
+    ProtocolError,
+)
 from evflow.monitor import runhook
 from evflow.monitor.console import is_terminal
 from evflow.processing.chain import output_files
@@ -50,9 +56,11 @@ from evflow.processing.summary import RunSummary
 from evflow.runtime.bus import BusProxy
 from evflow.runtime.busclient import BusClient
 from evflow.runtime.zygote import Zygote
+from evflow.transport import security
 from evflow.transport.paths import remove_session_files
+from evflow.transport.security import RunAuth, peer_pid
 from evflow.transport.sessions import claim_session, remove_stale_sessions
-from evflow.wire.messages import BadMessageCounter, MsgType, encode_message
+from evflow.wire.messages import BadMessageCounter, MsgType, encode_message, field_int, refuse
 
 #: after the input and output are done, workers get this long to exit on their own (s)
 WORKER_EXIT_GRACE_S = 5.0
@@ -137,6 +145,11 @@ class Parent:
         self.all_ready_at = 0.0
         self.bad = BadMessageCounter("parallel parent")
         self.slot_stats: dict[str, list[ModuleStatistics]] = {}  # exited workers' rows
+        # security: a per-run secret every role presents, checked by ZAP at connection
+        # time (transport/security.py); ``ipc_auth=False`` turns it off (benchmarks)
+        self.ipc_auth = bool(extra.get("ipc_auth", True))
+        self.auth: RunAuth | None = None
+        self.refused = 0  # connections to ctl the ZAP handler refused
 
     # --- life cycle ---------------------------------------------------------------------
     def run(self) -> RunSummary:
@@ -154,8 +167,12 @@ class Parent:
         remove_stale_sessions()  # left by runs killed with kill -9 (their owner is gone)
         _preload(self.split)
         zygote = Zygote().start()  # before any zmq context in this process
+        if self.ipc_auth:
+            self.auth = RunAuth.generate(zygote_pid=zygote.pid or 0)
+            self.role_options["auth"] = self.auth
         ctx: zmq.Context[Any] | None = None
         ctl = None
+        zap = None
         proxy: BusProxy | None = None
         self.bus: BusClient | None = None
         self.monitor: runhook.ActiveMonitor | None = None
@@ -164,7 +181,13 @@ class Parent:
         try:
             claim_session(self.session)  # so that a later run can tell if this one died
             ctx = zmq.Context()
-            ctl = channel(ctx, self.session, "ctl", "router", "bind")
+            if self.auth is not None:  # only the run's processes may report here
+                zap = self.auth.handler(ctx, "parallel parent", {})
+            security.install(self.auth)
+            try:
+                ctl = channel(ctx, self.session, "ctl", "router", "bind")
+            finally:
+                security.install(None)
             self.zygote, self.ctl = zygote, ctl.socket
             # the run's control bus: `evflow ctl` finds it in the session directory
             proxy = BusProxy(ctx, self.session)
@@ -195,6 +218,9 @@ class Parent:
                 proxy.close()
             if ctl is not None:
                 ctl.close(linger_ms=0)
+            if zap is not None:
+                self.refused = sum(zap.refused.values())
+                zap.close()
             if ctx is not None:
                 ctx.term()
             remove_session_files(self.session)  # ipc files and shared-memory segments
@@ -207,6 +233,16 @@ class Parent:
         if self.error is not None:
             raise self.error
         summary = self._summary(wall_s)
+        lost = int(summary.counters.get("events lost", 0))
+        if lost and not self.signals:  # a run that lost events never ends as a success
+            if not self.options.quiet:
+                summary.render(sys.stderr)
+            error = PeerLostError(
+                f"{lost} of the {summary.events_read} events read never reached the output "
+                "(see 'events lost' in the summary); the output files are incomplete"
+            )
+            error.summary = summary  # type: ignore[attr-defined]  # for callers that report
+            raise error
         if self.signals:
             if not self.options.quiet:
                 summary.render(sys.stderr)
@@ -282,7 +318,9 @@ class Parent:
         buffer = self.options.event_buffer
         limit_mb = float((self.options.extra or {}).get("worker_memory_limit_mb", 0.0))
         stale = self.board.read(index).batch  # the worker before's, still in the slot
-        pid = self.zygote.spawn(worker_main, self.session, name, buffer, limit_mb, name=name)
+        pid = self.zygote.spawn(
+            worker_main, self.session, name, buffer, limit_mb, self.auth, name=name
+        )
         self.pids[pid] = name
         self.backoff.spawned(index, time.monotonic(), stale)
 
@@ -322,15 +360,18 @@ class Parent:
     def _drain_ctl(self) -> None:
         while True:
             try:
-                frames = self.ctl.recv_multipart(zmq.NOBLOCK)
+                frames = self.ctl.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             msg = self.bad.decode(frames[1:])
             if msg is None:
                 continue
-            name = str(msg.header.get("name", ""))
+            try:
+                name = self._sender(frames[0], msg)
+            except ProtocolError as exc:
+                self.bad.record_error(exc)
+                continue
             if msg.type == MsgType.HELLO:
-                self.ids[name] = frames[0]
                 if name.startswith("worker"):
                     self.worker_hellos += 1
                     if self.worker_hellos == self.n_workers:
@@ -339,11 +380,36 @@ class Parent:
                     self._send("input", MsgType.STOP)
                     self.stop_sent = True
             elif msg.type == MsgType.RESULT:
-                self.results[name] = (msg.header, list(msg.payload))
+                self.results[name] = (msg.header, [f.bytes for f in msg.payload])
             elif msg.type == MsgType.STATE and msg.header.get("state") == "ERROR":
                 self._fail(_rebuild_error(msg.header))
             elif msg.type == MsgType.STATE and msg.header.get("state") == "TIMEOUT":
-                self._kill_worker(str(msg.header.get("worker")))
+                if name == "input":  # only the input watches for timeouts
+                    self._kill_worker(str(msg.header.get("worker")))
+                else:
+                    self.bad.record("unknown-peer", f"TIMEOUT from {name}, not the input")
+
+    def _sender(self, ident_frame: Any, msg: Any) -> str:
+        """The role that sent ``msg`` on ctl; raises ProtocolError for anyone else.
+
+        A HELLO registers the sender under its name if that name is a live child of
+        this run with the pid it says (and, over ipc, the pid the kernel says sent it);
+        every other message must come from the connection that said HELLO for its name.
+        """
+        ident = ident_frame.bytes
+        name = msg.header.get("name")
+        if type(name) is not str or len(name) > 64:
+            raise refuse("unknown-peer", f"{msg.type.name} on ctl without a role name")
+        if msg.type == MsgType.HELLO:
+            pid = field_int(msg.header, "pid", 1, 2**31)
+            sender = peer_pid(ident_frame)
+            if self.pids.get(pid) != name or (sender is not None and sender != pid):
+                raise refuse("unknown-peer", f"HELLO of {name!r} pid {pid}: not a role of the run")
+            self.ids[name] = ident
+            return name
+        if self.ids.get(name) != ident:
+            raise refuse("unknown-peer", f"{msg.type.name} of {name!r} from another connection")
+        return name
 
     def _send(self, role: str, kind: MsgType, header: dict[str, Any] | None = None) -> None:
         ident = self.ids.get(role)
@@ -535,6 +601,22 @@ class Parent:
         _say(stopping_line(self.signals[0], self.stop_grace_s, busy))
 
     # --- the summary ----------------------------------------------------------------------
+    def _unwritten(self, inp: dict[str, Any]) -> int:
+        """Events the input sent that the output never accounted for (its own count).
+
+        The ledger's figure trusts CONFIRMs; this one checks it against what the
+        output reports written, dropped or quarantined. Exact only for one input and one
+        output over the whole run (restarts and resumes split the counts): else 0.
+        """
+        out = self.results.get("output", ({}, []))[0]
+        if self.input_restarts or self.output_restarts or self.role_options.get("start_position"):
+            return 0
+        if out.get("already_written"):
+            return 0
+        expected = int(inp.get("read", 0)) - int(inp.get("dropped", 0))
+        fates = sum(int(out.get(k, 0)) for k in ("written", "dropped", "quarantined"))
+        return max(0, expected - fates)
+
     def _summary(self, wall_s: float) -> RunSummary:
         inp = self.results.get("input", ({}, []))[0]
         out_header, out_payload = self.results.get("output", ({}, []))
@@ -570,7 +652,7 @@ class Parent:
             counters["event failures"] = int(ledger["failures"])
             # every event read was dropped by the input path or confirmed by the output
             lost = int(inp.get("read", 0)) - int(inp.get("dropped", 0)) - int(ledger["confirmed"])
-            counters["events lost"] = max(lost, int(ledger["unconfirmed"]))
+            counters["events lost"] = max(lost, int(ledger["unconfirmed"]), self._unwritten(inp))
         if out_header.get("already_written"):
             counters["already in the output (resumed)"] = int(out_header["already_written"])
         counters.update(out_header.get("fills", {}))  # persistent deltas: fills.py
@@ -609,6 +691,9 @@ class Parent:
         bad = int(inp.get("bad", 0)) + int(out_header.get("bad", 0)) + self.bad.total
         if bad:
             counters["malformed messages"] = bad
+        refused = int(inp.get("refused", 0)) + int(out_header.get("refused", 0)) + self.refused
+        if refused:  # security: connections without the run's secret, or from outside it
+            counters["connections refused"] = refused
         return RunSummary(
             events_read=int(inp.get("read", 0)),
             events_written=int(out_header.get("written", 0)),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import signal
 import time
 from typing import Any
@@ -50,14 +51,20 @@ from evflow.processing.parallel.ledger import Failure, Ledger, LedgerEntry
 from evflow.processing.parallel.persist import encode_persistent
 from evflow.processing.parallel.rolebus import IDLE_WAIT_MS, wait_ms
 from evflow.processing.parallel.roster import Roster
+from evflow.transport.security import is_alive, is_sibling, peer_pid, refused_total
 from evflow.transport.shm import ShmArena
 from evflow.wire.codec import encode_event
 from evflow.wire.messages import (
+    U64_MAX,
     BadMessageCounter,
     MsgType,
     check_hello,
     decode_message,
     encode_message,
+    field_float,
+    field_int,
+    field_str,
+    refuse,
 )
 
 #: with event_timeout_s, the input looks for workers without progress this often (ms):
@@ -67,6 +74,14 @@ TIMEOUT_CHECK_MS = 50
 #: a restarted input checks this often for its first progress to checkpoint (s)
 RESTART_CHECKPOINT_S = 0.1
 RECYCLED = Failure("recycled", "worker ended early (worker_memory_limit_mb)")
+#: the most credit a worker may announce (events it can hold)
+MAX_CREDIT = 1 << 24
+_WORKER_NAME = re.compile(r"^worker-\d{1,6}(\.\d{1,6})?$")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class Batch:
@@ -106,14 +121,14 @@ def input_main(session: str, options: dict[str, Any]) -> int:
         bus.counters = role.bus_counters
         return role.run(bus)
 
-    return run_role("input", session, body)
+    return run_role("input", session, body, auth=options.get("auth"))
 
 
 class _Input:
     def __init__(
         self, ctx: zmq.Context[Any], session: str, options: dict[str, Any], channels: list[Any]
     ) -> None:
-        channels.append(channel(ctx, session, "ctl", "dealer", "connect"))
+        channels.append(channel(ctx, session, "ctl", "dealer", "connect", user="input"))
         self.ctl = channels[0].socket
         self.ctl.send_multipart(
             encode_message(MsgType.HELLO, {"role": "input", "name": "input", "pid": os.getpid()})
@@ -180,6 +195,7 @@ class _Input:
         self.abort = False
         self.end_sent = False
         self.output_id: bytes | None = None
+        self.output_pid = 0
         self.drain_sent = False  # DRAIN: the source is read out (the output confirms at once)
         self.output_end_sent = False
         self.done = False
@@ -220,7 +236,7 @@ class _Input:
                     if handler is None:
                         bus.serve_now()
                     else:
-                        self._drain(sock, handler)
+                        self._drain(sock, handler, copy=sock is not self.back)
                 if self.abort:
                     break  # killed (a second Ctrl-C): still report what was read
                 if busy:
@@ -253,6 +269,7 @@ class _Input:
             "dropped": self.dropped,
             "sent": self.next_seq - self.start_seq,
             "bad": self.bad.total,
+            "refused": refused_total(),  # connections the ZAP handler refused
             "batches": self.next_bid,
             "quarantined": self.quarantined,
             "shm_full": self.shm.full if self.shm is not None else 0,
@@ -288,45 +305,68 @@ class _Input:
             "bad_messages": self.bad.total,
         }
 
-    def _drain(self, sock: zmq.Socket[Any], handler: Any) -> None:
+    def _drain(self, sock: zmq.Socket[Any], handler: Any, copy: bool = True) -> None:
+        # ``back`` is read without copy: its frames carry the sender's pid (metadata)
         while True:
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=copy)
             except zmq.Again:
                 return
             try:
                 handler(frames)
             except ProtocolError as exc:
                 self.bad.record_error(exc)
-            except (KeyError, TypeError, ValueError, IndexError) as exc:
+            except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:
                 self.bad.record("bad-header", f"{type(exc).__name__}: {exc}")
 
     def _on_worker(self, frames: list[bytes]) -> None:
         ident = frames[0]
         msg = decode_message(frames[1:])
         slot = self.workers.get(ident)
+        header = msg.header
         if msg.type == MsgType.READY:
-            if slot is None:
+            if slot is None:  # (a worker taken off the roster: its last READY is void)
                 return
-            done = int(msg.header["credit"])
-            if "t" in msg.header:
+            done = field_int(header, "credit", 0, MAX_CREDIT)
+            if "t" in header:
+                if done > slot.inflight:  # never more credit than it holds: clamped, counted
+                    self.bad.record("bad-credit", f"{slot.name} returned {done}, held fewer")
+                    done = slot.inflight
+                t = header["t"]
+                if t is not None:  # None: skipped (an obsolete shm message)
+                    t = field_float(header, "t", 0.0, 1e6)
+                failures = header.get("f", ())
+                if type(failures) not in (list, tuple):
+                    raise refuse("bad-field", f"READY of {slot.name}: 'f' is not a list")
                 slot.inflight -= done
-                if msg.header["t"] is not None:  # None: skipped (an obsolete shm message)
-                    self.sizer.observe_work(float(msg.header["t"]))
+                if t is not None:
+                    self.sizer.observe_work(t)
                 # workers go through their messages in order: the ledger then knows
                 # which one a worker works on (blame on death, timeouts)
                 self.ledger.progress(slot.name, n_events=done)
-                for failure in msg.header.get("f", ()):
+                for failure in failures:
                     self._event_failed(slot.name, failure)
             else:
                 slot.buffer = max(done, 1)
         elif msg.type == MsgType.HELLO:
-            check_hello(msg.header)
-            self.workers[ident] = _Slot(str(msg.header["name"]), int(msg.header["pid"]))
-            self.roster.hello(str(msg.header["name"]))
+            check_hello(header)
+            name = field_str(header, "name", 32)
+            pid = field_int(header, "pid", 1, 2**31)
+            if not _WORKER_NAME.match(name):
+                raise refuse("bad-hello", f"HELLO on the events socket from {name!r}, not a worker")
+            if any(s.name == name for s in self.workers.values()) or slot is not None:
+                raise refuse("bad-hello", f"second HELLO of {name!r}")
+            if not is_sibling(pid):
+                raise refuse(
+                    "bad-hello", f"HELLO of {name!r}: pid {pid} is not a process of the run"
+                )
+            self.workers[ident] = _Slot(name, pid)
+            self.roster.hello(name)
             if self.end_sent:
                 self.router.send_multipart([ident, *self._end_message()])
-        elif msg.type == MsgType.GOODBYE and slot is not None:
+        elif msg.type == MsgType.GOODBYE:
+            if slot is None:
+                return
             self.goodbye.append(slot.name)
             del self.workers[ident]
             # a worker recycled early (memory limit) may leave messages it never read;
@@ -335,30 +375,59 @@ class _Input:
             self.resend.extend(e for e in entries if not e.poisoned)
             if msg.header.get("recycled"):  # (at the end of the run nothing is left)
                 self.roster.recycled(slot.name, time.monotonic())
+        else:
+            raise refuse("unexpected", f"{msg.type.name} on the events socket")
 
-    def _on_output(self, frames: list[bytes]) -> None:
+    def _on_output(self, frames: list[Any]) -> None:
+        ident = frames[0].bytes
         msg = decode_message(frames[1:])
+        if msg.type == MsgType.HELLO:
+            self._output_hello(ident, frames[0], msg.header)
+            return
+        if ident != self.output_id:  # only the output the input knows may confirm or end
+            raise refuse("unknown-peer", f"{msg.type.name} on the back socket from a stranger")
         if msg.type == MsgType.CONFIRM:
-            uids = from_u64(msg.payload[0]).tolist()
+            if len(msg.payload) != 1 or len(msg.payload[0]) % 8:
+                raise refuse("bad-confirm", "CONFIRM payload is not one frame of uint64 uids")
+            uids = from_u64(msg.payload[0].buffer).tolist()
             self.ledger.confirm(uids)
             if self.ordered:
                 pop = self.seq_of.pop
                 for uid in uids:
                     pop(uid, None)
-        elif msg.type == MsgType.HELLO:
-            restarted = self.output_id is not None
-            self.output_id = frames[0]
-            self.drain_sent = False  # (a new output must hear it too)
-            if self.ordered:  # before anything else: where the output's order goes on
-                order = encode_message(MsgType.ORDER, self._order_start())
-                self.back.send_multipart([self.output_id, *order])
-            if restarted:
-                self._output_restarted()
-            if self.unsent_quarantine:
-                self._send_quarantine(self.unsent_quarantine)
-                self.unsent_quarantine = []
         elif msg.type == MsgType.GOODBYE:
+            if not self.output_end_sent:
+                raise refuse("early-goodbye", "GOODBYE from the output before END was sent")
             self.done = True
+        else:
+            raise refuse("unexpected", f"{msg.type.name} on the back socket")
+
+    def _output_hello(self, ident: bytes, frame: Any, header: dict[Any, Any]) -> None:
+        """An output introduces itself: the first one, or a restarted one (the previous
+        output is dead). Anything else saying HELLO here is refused: taken for a new
+        output, it would make the input send every unconfirmed event to nowhere."""
+        if header.get("role") != "output" or header.get("name") != "output":
+            raise refuse("bad-hello", f"HELLO on the back socket from {_short(header)}")
+        pid = field_int(header, "pid", 1, 2**31)
+        sender = peer_pid(frame)
+        if sender is not None and sender != pid:
+            raise refuse("bad-hello", f"HELLO of output pid {pid} sent by process {sender}")
+        if not is_sibling(pid) or any(s.pid == pid for s in self.workers.values()):
+            raise refuse("bad-hello", f"HELLO of output pid {pid}: not the run's output")
+        if self.output_id is not None and pid != self.output_pid and is_alive(self.output_pid):
+            raise refuse("bad-hello", f"HELLO of output pid {pid}: output {self.output_pid} lives")
+        restarted = self.output_id is not None
+        self.output_id = ident
+        self.output_pid = pid
+        self.drain_sent = False  # (a new output must hear it too)
+        if self.ordered:  # before anything else: where the output's order goes on
+            order = encode_message(MsgType.ORDER, self._order_start())
+            self.back.send_multipart([self.output_id, *order])
+        if restarted:
+            self._output_restarted()
+        if self.unsent_quarantine:
+            self._send_quarantine(self.unsent_quarantine)
+            self.unsent_quarantine = []
 
     def _on_ctl(self, frames: list[bytes]) -> None:
         msg = decode_message(frames)
@@ -367,18 +436,28 @@ class _Input:
         elif msg.type == MsgType.KILL:
             self.abort = True
         elif msg.type == MsgType.WORKER_LOST:
-            if msg.header.get("reason") == "timeout":
+            header = msg.header
+            name = field_str(header, "name", 32)
+            if header.get("reason") == "timeout":
                 failure = Failure.timeout(float(self.ledger.event_timeout_s or 0))
             else:
-                failure = Failure.from_returncode(int(msg.header.get("code", -9)))
+                failure = Failure.from_returncode(field_int(header, "code", -255, 255))
             # the parent read the worker's scoreboard slot: busy on one event (charged
             # alone), idle (nobody charged, -1), or unknown (the ledger's READY guess)
-            blame = msg.header.get("blame")
-            culprit = int(msg.header["uid"]) if blame == "busy" else -1 if blame == "idle" else None
-            self.requeue(str(msg.header["name"]), failure, culprit)
+            blame = header.get("blame")
+            culprit = (
+                field_int(header, "uid", 0, U64_MAX)
+                if blame == "busy"
+                else -1
+                if blame == "idle"
+                else None
+            )
+            replacement = header.get("replacement")
+            if replacement is not None:
+                replacement = field_str(header, "replacement", 32)
+            self.requeue(name, failure, culprit)
             # a replacement forked at once: the run does not end before it said HELLO
-            replacement = msg.header.get("replacement")
-            self.roster.lost(str(msg.header["name"]), str(replacement) if replacement else None)
+            self.roster.lost(name, replacement or None)
 
     def requeue(self, name: str, failure: Failure, culprit_uid: int | None = None) -> int:
         """Take back every unconfirmed event of the lost worker ``name``.
@@ -450,9 +529,14 @@ class _Input:
         with the module's error. More than ``max_quarantined`` quarantined events stop
         the run too (a path that fails on every event must not grind through them all).
         """
-        uid = int(f["uid"])
-        cause = type(str(f["cause"]), (Exception,), {})(str(f["text"]))
-        error = ModuleError(str(f["module"]), "event", uid, cause, str(f.get("tb", "")))
+        if type(f) is not dict:
+            raise refuse("bad-field", f"failure report of {worker} is not a map")
+        uid = field_int(f, "uid", 0, U64_MAX)
+        cause_name = field_str(f, "cause", 200)
+        if not cause_name.isidentifier():
+            raise refuse("bad-field", f"failure report of {worker}: cause {cause_name!r}")
+        cause = type(cause_name, (Exception,), {})(str(f.get("text", ""))[:10_000])
+        error = ModuleError(field_str(f, "module", 200), "event", uid, cause, str(f.get("tb", "")))
         if self.on_event_error == "stop":
             raise error
         self.last_error = error

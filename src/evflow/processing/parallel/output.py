@@ -24,9 +24,10 @@ from typing import Any
 import numpy as np
 import zmq
 
+from evflow.errors import CodecError, ProtocolError
 from evflow.monitor.console import ConsoleProgress
 from evflow.processing.chain import ModuleChain
-from evflow.processing.datastore import FLAG_QUARANTINED, QUARANTINE_REASON
+from evflow.processing.datastore import FLAG_QUARANTINED, QUARANTINE_REASON, DataStore
 from evflow.processing.parallel.batching import from_u64, unpack_batch
 from evflow.processing.parallel.checkpoint import open_writers_for_append
 from evflow.processing.parallel.common import (
@@ -41,10 +42,20 @@ from evflow.processing.parallel.fills import Fills
 from evflow.processing.parallel.persist import decode_persistent, encode_persistent, merge_into
 from evflow.processing.parallel.reorder import SKIP, ReorderBuffer
 from evflow.processing.parallel.rolebus import wait_ms
+from evflow.transport import security
 from evflow.transport.paths import session_dir
 from evflow.transport.shm import ShmViews
 from evflow.wire.codec import decode_event, peek_meta, with_meta, with_value
-from evflow.wire.messages import BadMessageCounter, MsgType, encode_message
+from evflow.wire.messages import (
+    BadMessageCounter,
+    MsgType,
+    encode_message,
+    field_bytes,
+    field_int,
+    field_list,
+    field_str,
+    refuse,
+)
 
 #: confirm once this many events wait, or at most once per this interval: a result
 #: arriving after a quiet interval is confirmed at once (one wake-up, and no delay at
@@ -75,7 +86,7 @@ def output_main(session: str, options: dict[str, Any]) -> int:
         for role in roles:
             role.close_files()
 
-    return run_role("output", session, body, close_writers)
+    return run_role("output", session, body, close_writers, auth=options.get("auth"))
 
 
 def quarantine_writers(writers: list[Any], file: str | None) -> tuple[list[Any], list[Any]]:
@@ -110,12 +121,12 @@ class _Output:
     def __init__(
         self, ctx: zmq.Context[Any], session: str, options: dict[str, Any], channels: list[Any]
     ) -> None:
-        channels.append(channel(ctx, session, "ctl", "dealer", "connect"))
+        channels.append(channel(ctx, session, "ctl", "dealer", "connect", user="output"))
         self.ctl = channels[0].socket
         self.hello = {"role": "output", "name": "output", "pid": os.getpid()}
         self.ctl.send_multipart(encode_message(MsgType.HELLO, self.hello))
         channels.append(channel(ctx, session, "results", "pull", "bind"))
-        channels.append(channel(ctx, session, "back", "dealer", "connect"))
+        channels.append(channel(ctx, session, "back", "dealer", "connect", user="output"))
         self.pull = channels[1].socket
         self.back = channels[2].socket
         self.ordered = bool(options.get("ordered"))
@@ -157,7 +168,7 @@ class _Output:
         # wall clock (s) of the first result: the start-up figure even when every
         # original worker died before it could report its own first event
         self.first_result_at = 0.0
-        self.results: dict[str, list[Any]] = {}
+        self.results: dict[str, dict[str, Any]] = {}  # worker -> its persistent objects
         self.end: dict[str, Any] | None = None
         self.end_payload: list[Any] = []
         # the output knows every uid's fate, so it draws the run's progress bar
@@ -167,6 +178,13 @@ class _Output:
         self.end_at = 0.0
         self.abort = False
         self.bad = BadMessageCounter("output")
+        # what each socket may carry: anything else there is dropped and counted
+        # (a results socket any worker reaches must not end the run, say)
+        self.accepts = {
+            self.pull: (MsgType.EVENTS, MsgType.RESULT),
+            self.back: (MsgType.EVENTS, MsgType.END, MsgType.ORDER, MsgType.DRAIN),
+            self.ctl: (MsgType.KILL, MsgType.HELLO),
+        }
 
     def on_term(self, signum: int, frame: Any) -> None:
         self.abort = True
@@ -236,34 +254,66 @@ class _Output:
             msg = self.bad.decode(frames)
             if msg is None:
                 continue
+            if msg.type not in self.accepts[sock]:
+                self.bad.record("wrong-socket", f"{msg.type.name} where it is never sent")
+                continue
             try:
                 if msg.type == MsgType.EVENTS:
-                    self._on_events(msg.header, [f.buffer for f in msg.payload])
+                    self._on_events(msg.header, [f.buffer for f in msg.payload], sock)
                 elif msg.type == MsgType.RESULT:
-                    name = str(msg.header["w"])
-                    self.results[name] = [f.buffer for f in msg.payload]
+                    name = field_str(msg.header, "w", 32)
+                    objects = _persistent_or_none([f.buffer for f in msg.payload])
+                    if objects is None:
+                        raise refuse("bad-result", f"RESULT of {name!r}: not persistent objects")
+                    self.results[name] = objects
                 elif msg.type == MsgType.END:
-                    self.end = msg.header
-                    self.end_payload = [f.buffer for f in msg.payload]
-                    self.end_at = time.monotonic()
+                    self._on_end(msg.header, [f.buffer for f in msg.payload])
                 elif msg.type == MsgType.KILL:
                     self.abort = True
                 elif msg.type == MsgType.ORDER and self.order is not None:
-                    self.order.start_at(int(msg.header["seq"]), map(int, msg.header["done"]))
+                    done = field_list(msg.header, "done")
+                    if not all(type(d) is int and 0 <= d < 2**63 for d in done):
+                        raise refuse("bad-field", "ORDER: 'done' holds a non-seq")
+                    self.order.start_at(field_int(msg.header, "seq"), done)
                     self._emit_in_order()
                 elif msg.type == MsgType.DRAIN:
                     self.draining = True
                 elif msg.type == MsgType.HELLO:  # from the parent: a new input started
                     self.draining = False  # (it reads again from its checkpoint)
                     self.back.send_multipart(encode_message(MsgType.HELLO, self.hello))
-            except (KeyError, TypeError, ValueError, IndexError) as exc:
+            except ProtocolError as exc:
+                self.bad.record_error(exc)
+            except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:
                 self.bad.record("bad-header", f"{type(exc).__name__}: {exc}")
 
-    def _on_events(self, header: dict[str, Any], payload: list[Any]) -> None:
-        kept = header["k"]
+    def _on_end(self, header: dict[str, Any], payload: list[Any]) -> None:
+        """The input's END: counts, the workers whose RESULT to wait for, its objects."""
+        workers = field_list(header, "workers")
+        if not all(type(w) is str for w in workers):
+            raise refuse("bad-end", "END: 'workers' holds a non-name")
+        for key in ("read", "dropped", "sent"):
+            field_int(header, key)
+        run = header.get("run")
+        if run is not None and not (
+            type(run) is list and len(run) == 2 and all(type(x) is int for x in run)
+        ):
+            raise refuse("bad-end", f"END: run {run!r} is not [experiment, run]")
+        self.end = header
+        self.end_payload = payload
+        self.end_at = time.monotonic()
+
+    def _on_events(self, header: dict[str, Any], payload: list[Any], sock: Any) -> None:
+        # validated as a whole before any uid is taken as seen: a bad batch leaves no trace
+        raw_uids = field_bytes(header, "u", 8)
+        kept = field_bytes(header, "k")
+        if len(kept) * 8 != len(raw_uids):
+            raise refuse("bad-batch", f"{len(kept)} kept flags for {len(raw_uids) // 8} uids")
+        sender = field_str(header, "w", 32)
+        if (sender == "input") != (sock is self.back):
+            raise refuse("bad-batch", f"EVENTS from {sender!r} on the wrong socket")
         if not self.first_result_at:
             self.first_result_at = time.time()
-        uid_array = from_u64(header["u"])
+        uid_array = from_u64(raw_uids)
         uids = uid_array.tolist()
         if "d" in header:  # the batch's persistent-object delta rides at the end
             payload = self._take_delta(header, payload, uids)
@@ -288,15 +338,28 @@ class _Output:
                 self.bad.record("stale-shm", f"batch {header['b']} of a freed extent")
                 return
         events = unpack_batch(header, payload)
-        seqs: list[int] = from_u64(header["s"]).tolist() if order is not None else []
+        if len(events) != kept.count(1):
+            raise refuse("bad-batch", f"{len(events)} events for {kept.count(1)} kept flags")
+        seqs: list[int] = []
+        if order is not None:
+            seqs = from_u64(field_bytes(header, "s", 8)).tolist()
+            if len(seqs) != len(uids):
+                raise refuse("bad-batch", f"{len(seqs)} seqs for {len(uids)} uids")
         reasons = header.get("q")  # from the input: events to write raw, quarantined
+        if reasons is not None and (type(reasons) is not list or len(reasons) != len(uids)):
+            raise refuse("bad-batch", "quarantine reasons do not match the uids")
         check_and_add = self.seen.check_and_add
+        decode = reasons is None and not self.no_modules
         j = 0
         for i, uid in enumerate(uids):
             frames = None
             if kept[i]:
                 frames = events[j]
                 j += 1
+                if decode:  # decoded before its uid counts as seen: garbage leaves no trace
+                    frames = self._decode(frames, uid)
+                    if frames is None:
+                        continue
             if not check_and_add(uid):
                 # a duplicate (late result after a re-send): counted, not written;
                 # --ordered: it still holds its seq, or the order would stall there
@@ -333,11 +396,23 @@ class _Output:
             self.bad.record("bad-delta", bad)  # dropped; the events are still written
         return payload[:-n]
 
+    def _decode(self, frames: Any, uid: int) -> DataStore | None:
+        """The event in ``frames`` if it decodes and is event ``uid``; else None, counted."""
+        try:
+            store = decode_event(frames)
+        except CodecError as exc:
+            self.bad.record("bad-event", f"uid {uid}: {exc}")
+            return None
+        if store.meta.uid != uid:
+            self.bad.record("bad-event", f"batch says uid {uid}, the event is {store.meta.uid}")
+            return None
+        return store
+
     def _write(self, frames: Any) -> None:
         if self.no_modules:
             self.written += 1
             return
-        store = decode_event(frames)
+        store = frames if type(frames) is DataStore else decode_event(frames)
         meta, current = store.meta, self.chain.run
         if current is None or current.run != meta.run or current.experiment != meta.experiment:
             self.chain.switch_run(meta.experiment, meta.run)
@@ -407,7 +482,7 @@ class _Output:
     # --- the end ------------------------------------------------------------------------
     def _results_complete(self) -> bool:
         assert self.end is not None
-        expected = self.end["workers"]
+        expected = self.end["workers"]  # (validated by _on_end)
         if all(name in self.results for name in expected):
             return True
         return time.monotonic() - self.end_at > RESULT_WAIT_S
@@ -424,19 +499,20 @@ class _Output:
             self._confirm()
         merged = self.fills.merged  # the deltas; RESULTs hold what is left since
         if self.end_payload:
-            head, *frames = self.end_payload
-            merge_into(merged, decode_persistent(head, frames), "input")
+            objects = _persistent_or_none(self.end_payload)
+            if objects is None:
+                self.bad.record("bad-end", "END: its payload is not persistent objects")
+            else:
+                merge_into(merged, objects, "input")
         missing = []
         for name in self.end["workers"]:
             if name not in self.results:
                 missing.append(name)
                 continue
-            payload = self.results[name]
-            merge_into(merged, decode_persistent(payload[0], payload[1:]), f"worker {name}")
+            merge_into(merged, self.results[name], f"worker {name}")
         merge_into(self.chain.persistent, merged, "workers")
-        if self.chain.run is None and self.end.get("run"):
-            run = run_of(self.end["run"])
-            assert run is not None
+        run = run_of(self.end.get("run"))
+        if self.chain.run is None and run is not None:
             self.chain.switch_run(run.experiment, run.run)
         # the output path's end_run and terminate see the merged objects
         self.chain.end_run()
@@ -469,9 +545,20 @@ class _Output:
             "skipped": [*skipped, *self.fills.not_merged()],
             "fills": self.fills.counters(),
             "bad": self.bad.total,
+            "refused": security.refused_total(),  # connections the ZAP handler refused
             "input": self.end or {},
             "cpu_s": time.process_time(),
             "first_result_at": self.first_result_at,
         }
         self.ctl.send_multipart(encode_message(MsgType.RESULT, header, [head, *frames]))
         self.ctl.linger = 2000
+
+
+def _persistent_or_none(payload: list[Any]) -> dict[str, Any] | None:
+    """Decoded persistent objects of a RESULT or END payload; None if they do not decode."""
+    if not payload:
+        return None
+    try:
+        return decode_persistent(payload[0], payload[1:])
+    except Exception:  # untrusted bytes: whatever the decoders raise, it is a bad message
+        return None

@@ -45,6 +45,7 @@ from evflow.processing.parallel.scoreboard import current as current_scoreboard
 from evflow.processing.parallel.scoreboard import slot_of
 from evflow.processing.parallel.statsboard import StatsBoard
 from evflow.processing.parallel.statsboard import current as current_stats_board
+from evflow.transport.security import RunAuth
 from evflow.transport.shm import ShmViews
 from evflow.wire.codec import encode_event
 from evflow.wire.messages import BadMessageCounter, MsgType, encode_message, hello_header
@@ -53,13 +54,19 @@ from evflow.wire.messages import BadMessageCounter, MsgType, encode_message, hel
 EXIT_RECYCLE = 75
 
 
-def worker_main(session: str, name: str, event_buffer: int, memory_limit_mb: float = 0.0) -> int:
+def worker_main(
+    session: str,
+    name: str,
+    event_buffer: int,
+    memory_limit_mb: float = 0.0,
+    auth: RunAuth | None = None,
+) -> int:
     """Entry point in a forked worker process; returns the exit code."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent drives the shutdown
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # "stop at once" means exactly that
 
     def body(ctx: zmq.Context[Any], channels: list[Any], bus: RoleBus) -> int:
-        ctl = channel(ctx, session, "ctl", "dealer", "connect")
+        ctl = channel(ctx, session, "ctl", "dealer", "connect", user=name)
         channels.append(ctl)
         ctl.socket.send_multipart(
             encode_message(MsgType.HELLO, {"role": "worker", "name": name, "pid": os.getpid()})
@@ -69,7 +76,7 @@ def worker_main(session: str, name: str, event_buffer: int, memory_limit_mb: flo
         bus.counters = worker.bus_counters
         return worker.run(bus)
 
-    return run_role(name, session, body)
+    return run_role(name, session, body, auth=auth)
 
 
 class _Worker:
@@ -88,8 +95,8 @@ class _Worker:
         self.name = name
         self.chain = ModuleChain(current_split().worker, process=name)
         self.chain.initialize()
-        dealer = channel(ctx, session, "events", "dealer", "connect")
-        push = channel(ctx, session, "results", "push", "connect")
+        dealer = channel(ctx, session, "events", "dealer", "connect", user=name)
+        push = channel(ctx, session, "results", "push", "connect", user=name)
         channels += [dealer, push]
         self.dealer = dealer.socket
         self.push = push.socket
@@ -141,7 +148,7 @@ class _Worker:
                 except Exception as exc:
                     if self._obsolete(msg.header):
                         pass  # its shm extent was reused under us: bytes were not events
-                    elif isinstance(exc, KeyError | TypeError | ValueError):
+                    elif isinstance(exc, KeyError | TypeError | ValueError | IndexError):
                         self.bad.record("bad-batch", str(exc))
                     else:
                         raise
@@ -285,9 +292,8 @@ class _Worker:
 
     def _finish(self, last_run: Any, recycled: bool = False) -> None:
         chain = self.chain
-        if chain.run is None and last_run:
-            run = run_of(last_run)
-            assert run is not None
+        run = run_of(last_run)
+        if chain.run is None and run is not None:
             chain.switch_run(run.experiment, run.run)  # a worker without events books too
         chain.end_run()
         chain.terminate()

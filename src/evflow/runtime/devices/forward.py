@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 from evflow.params import Param
+from evflow.runtime._loops import send_when_ready
 from evflow.runtime.device import Device, Origin
 from evflow.runtime.devices._stream import acknowledge, send_end, wait_for_acks
 from evflow.transport.channel import Channel
@@ -46,15 +47,21 @@ class _Forwarder(Device):
         if msg.type is MsgType.ACK:
             return True
         i = self._pick()
-        self._outs[i].send(encode_message(msg.type, msg.header, msg.payload))
-        self.sent[i] += 1
         self.received += 1
+        frames = encode_message(msg.type, msg.header, msg.payload)
+        if not send_when_ready(self, self._outs[i], frames):
+            log.warning("%s: stopped while %s had no peer: 1 message not forwarded", self.id,
+                        self._outs[i].label)  # fmt: skip
+            return False
+        self.sent[i] += 1
         return True
 
     def post_run(self) -> None:
-        for i in range(len(self._outs)):
-            send_end(self, self.out_channel, i, self.sent[i])
-        acked = wait_for_acks(self, self.out_channel, len(self._outs), self.ack_timeout_s)
+        ends = sum(
+            send_end(self, self.out_channel, i, self.sent[i], self.ack_timeout_s)
+            for i in range(len(self._outs))
+        )
+        acked = wait_for_acks(self, self.out_channel, ends, self.ack_timeout_s) if ends else 0
         log.info(
             "%s: forwarded %d messages %s, %d of %d END acknowledged",
             self.id,

@@ -84,6 +84,8 @@ def problems_of(line: str, doc_text: str) -> list[str]:
         word = words.pop(0)
         if word == "--":
             break  # the rest goes to the steering file
+        if word.strip(".") == "":
+            continue  # "...": and so on
         subs = _subparsers(parser)
         if word in subs:
             parser = subs[word]

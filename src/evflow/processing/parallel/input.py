@@ -387,7 +387,8 @@ class _Input:
                 del self.workers[ident]
         entries = self.ledger.requeue_worker(name, failure, culprit_uid)
         poisoned = [e for e in entries if e.poisoned]
-        self.resend.extend(e for e in entries if not e.poisoned)
+        # (those of messages it finished wait a moment for their CONFIRM: resend.py)
+        self.resend.add_after_death((e for e in entries if not e.poisoned), time.monotonic())
         if poisoned:
             self._quarantine(poisoned)
         return len(entries)
@@ -490,6 +491,9 @@ class _Input:
     def _idle_ms(self) -> int:
         """How long the loop may sleep with nothing to send: every wake-up costs the
         busy workers CPU, so only as often as a timeout check or checkpoint needs."""
+        due = self.resend.next_due_s()  # held re-sends (resend.py)
+        if due is not None:
+            return max(1, wait_ms(due - time.monotonic(), TIMEOUT_CHECK_MS))
         if self.ledger.event_timeout_s is not None or self.roster.leavers:
             return TIMEOUT_CHECK_MS
         if self.checkpoint is not None:
@@ -518,10 +522,14 @@ class _Input:
         """True when ``_feed`` has something for a worker with room (no busy loop: an
         isolated event waits for a worker with nothing in flight)."""
         workers = self.workers.values()
+        if self.resend:
+            due = self.resend.next_due_s()
+            if due is not None and due <= time.monotonic():
+                self.resend.release(time.monotonic())
         if self.resend.only_isolated() and (
             self.exhausted or self.stopping or self._ordered_full()
         ):  # (a full --ordered window waits for CONFIRMs, not in a busy loop)
-            return bool(self.resend) and any(s.buffer and not s.inflight for s in workers)
+            return bool(self.resend.isolated) and any(s.buffer and not s.inflight for s in workers)
         window = self.sizer.window
         return any(s.buffer and s.inflight < window(s.buffer) for s in workers)
 
@@ -538,7 +546,7 @@ class _Input:
                         self._resend_live(ident, slot, group)
                         continue
                 if self.exhausted or self.stopping or self._ordered_full():
-                    if self.resend:
+                    if self.resend.isolated:
                         break  # isolated events left: another worker may be idle
                     return
                 batch = self._read_batch(min(window - slot.inflight, self.sizer.size()))
@@ -707,7 +715,7 @@ def _ledger_counts(ledger: Ledger) -> dict[str, int]:
     return {
         "confirmed": st.confirmed,
         "unconfirmed": st.unconfirmed,
-        "retries": st.requeued,
+        "retries": st.resent,  # events sent again (held ones confirmed meanwhile are not)
         "failures": st.failures,
         "poisoned": st.poisoned,
     }

@@ -103,6 +103,7 @@ class Ledger:
         self._duplicate_confirms = 0
         self._unknown_confirms = 0
         self._requeued = 0
+        self._resent = 0
         self._failures = 0
         self._timeouts = 0
         self._poisoned = 0
@@ -566,6 +567,7 @@ class Ledger:
             entry.send = send
             wdict[entry.uid] = entry
         self._pending -= len(entries)
+        self._resent += len(entries)
         return entries
 
     # --- introspection ------------------------------------------------------------------
@@ -623,6 +625,7 @@ class Ledger:
             duplicate_confirms=self._duplicate_confirms,
             unknown_confirms=self._unknown_confirms,
             requeued=self._requeued,
+            resent=self._resent,
             failures=self._failures,
             timeouts=self._timeouts,
             poisoned=self._poisoned,

@@ -20,6 +20,13 @@ restarted) as ``PENDING`` entries, and go again in these groups:
   of the traffic and the input's CPU per event twenty-fold).
 
 One message carries one attempt number: a group stops at an entry of another attempt.
+
+After a worker's death, the events of messages it finished are most likely written
+already (their results left before it died; the output confirms within
+``CONFIRM_INTERVAL_MAX_S``): ``add_after_death`` holds them back ``HOLD_S`` and only
+those still unconfirmed then go again. A kill no longer makes the workers redo what
+was done (under a kill every 100 ms that was a large share of the re-sends); a result
+that really was lost with the worker costs ``HOLD_S`` of delay.
 """
 
 from __future__ import annotations
@@ -27,17 +34,22 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Iterator
 
-from evflow.processing.parallel.ledger import LedgerEntry
+from evflow.processing.parallel.ledger import EntryState, LedgerEntry
+
+#: how long a dead worker's finished messages wait for their CONFIRM before they go
+#: again (s): above the output's longest confirm interval (0.25 s) plus transit
+HOLD_S = 0.5
 
 
 class ResendQueue:
     """Pending entries in the order they came back, and the isolated ones aside."""
 
-    __slots__ = ("_isolated", "_queue")
+    __slots__ = ("_held", "_isolated", "_queue")
 
     def __init__(self, entries: Iterable[LedgerEntry] = ()) -> None:
         self._queue: deque[LedgerEntry] = deque(entries)
         self._isolated: deque[LedgerEntry] = deque()
+        self._held: deque[tuple[float, list[LedgerEntry]]] = deque()  # (due, entries)
 
     def append(self, entry: LedgerEntry) -> None:
         self._queue.append(entry)
@@ -45,23 +57,50 @@ class ResendQueue:
     def extend(self, entries: Iterable[LedgerEntry]) -> None:
         self._queue.extend(entries)
 
+    def add_after_death(self, entries: Iterable[LedgerEntry], now_s: float) -> None:
+        """A dead worker's events: those of messages it finished are held back until
+        ``now_s + HOLD_S`` (see the module doc), the others queue at once."""
+        held = []
+        for entry in entries:
+            if entry.unstarted or entry.isolate:
+                self._queue.append(entry)
+            else:
+                held.append(entry)
+        if held:
+            self._held.append((now_s + HOLD_S, held))
+
+    def release(self, now_s: float) -> None:
+        """Queue the held entries that are due and still unconfirmed."""
+        held = self._held
+        while held and held[0][0] <= now_s:
+            _, entries = held.popleft()
+            self._queue.extend(e for e in entries if e.state is EntryState.PENDING)
+
+    def next_due_s(self) -> float | None:
+        """When the next held entries are due (None: none held)."""
+        return self._held[0][0] if self._held else None
+
     def replace(self, entries: Iterable[LedgerEntry]) -> None:
         """Start over with ``entries`` (an output restart hands back everything)."""
         self._queue = deque(entries)
         self._isolated.clear()
+        self._held.clear()
 
     def __len__(self) -> int:
-        return len(self._queue) + len(self._isolated)
+        return len(self._queue) + len(self._isolated) + sum(len(e) for _, e in self._held)
 
     def __bool__(self) -> bool:
-        return bool(self._queue) or bool(self._isolated)
+        return bool(self._queue) or bool(self._isolated) or bool(self._held)
 
     def __iter__(self) -> Iterator[LedgerEntry]:
         yield from self._isolated
         yield from self._queue
+        for _, entries in self._held:
+            yield from entries
 
     def only_isolated(self) -> bool:
-        """Nothing waits but isolated entries (true when empty too)."""
+        """Nothing can go now but isolated entries (true when empty too; held ones
+        are not due)."""
         self._set_isolated_aside()
         return not self._queue
 

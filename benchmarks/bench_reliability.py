@@ -1,6 +1,6 @@
 """Reliability figures: ledger on/off throughput, recovery times, the chaos run.
 
-    python benchmarks/bench_reliability.py [--quick]
+    python benchmarks/bench_reliability.py [--quick] [--only goodput]
 
 1. Throughput of a parallel chain (source -> no-op workers -> output without writer)
    with the input's Ledger as it is and with a do-nothing ledger, side by side in one
@@ -9,6 +9,9 @@
    output SIGKILL to the output writing again.
 3. The chaos run of tests/test_chaos.py as a table: events, kills, timeouts, lost,
    duplicates.
+4. Goodput under faults: one run (4 workers, 1 kB events, 2 ms of CPU per event)
+   without faults and with a worker SIGKILLed every 100 ms, alternating, side by
+   side: wall-time ratio, input CPU per event, retries per kill.
 """
 
 from __future__ import annotations
@@ -213,11 +216,80 @@ def chaos(tmp: str, n: int) -> dict[str, Any]:
     }
 
 
+def _kill_every(interval_s: float, stop: threading.Event, kills: list[int]) -> None:
+    """SIGKILL a random live worker every ``interval_s`` until ``stop``."""
+    rng = random.Random(7)
+    while not stop.wait(interval_s):
+        live = _children("worker")
+        if live:
+            try:
+                os.kill(rng.choice(live).pid, signal.SIGKILL)
+                kills[0] += 1
+            except ProcessLookupError:
+                pass
+
+
+def goodput_run(n: int, kill_interval_s: float | None) -> dict[str, float]:
+    """One run of ``n`` 1 kB events at 2 ms/event on 4 workers, SIGKILLing a worker
+    every ``kill_interval_s`` (None: no faults). Wall, input CPU/event, retries, kills."""
+    path = Path([ToyGenerator(n_events=n, payload_bytes=1024, seed=5), BusyWork(work_ms=2.0)])
+    stop, kills = threading.Event(), [0]
+    t = None
+    if kill_interval_s is not None:
+        t = threading.Thread(target=_kill_every, args=(kill_interval_s, stop, kills))
+        t.daemon = True
+        t.start()
+    try:
+        summary = evflow.process(path, workers=4, quiet=True, extra={"max_restarts": 10**6})
+    finally:
+        stop.set()
+        if t is not None:
+            t.join()
+    c = summary.counters
+    assert summary.events_read == n and c.get("events lost", 0) == 0, c
+    return {
+        "wall_s": summary.wall_s,
+        "cpu_us_per_event": c["input CPU (s)"] / n * 1e6,
+        "retries": float(c.get("retries", 0)),
+        "kills": float(kills[0]),
+    }
+
+
+def goodput(n: int, repeats: int) -> None:
+    """Section 4: fault-free and chaos runs alternating; medians side by side."""
+    free, chaos_runs = [], []
+    for _ in range(repeats):
+        free.append(goodput_run(n, None))
+        chaos_runs.append(goodput_run(n, 0.1))
+
+    def median(runs: list[dict[str, float]], key: str) -> float:
+        values = sorted(r[key] for r in runs)
+        return values[len(values) // 2]
+
+    wall_f, wall_c = median(free, "wall_s"), median(chaos_runs, "wall_s")
+    cpu_f, cpu_c = median(free, "cpu_us_per_event"), median(chaos_runs, "cpu_us_per_event")
+    kills = sum(r["kills"] for r in chaos_runs)
+    retries = sum(r["retries"] for r in chaos_runs)
+    print(f"{'':<28}{'fault-free':>12}{'SIGKILL/100ms':>15}{'ratio':>8}")
+    print(f"{'wall (s)':<28}{wall_f:>12.2f}{wall_c:>15.2f}{wall_c / wall_f:>8.2f}")
+    print(f"{'input CPU (us/event)':<28}{cpu_f:>12.1f}{cpu_c:>15.1f}{cpu_c / cpu_f:>8.2f}")
+    print(f"{'kills per run':<28}{'0':>12}{kills / repeats:>15.1f}")
+    print(f"{'retries per kill':<28}{'-':>12}{retries / max(kills, 1):>15.1f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer events (a smoke run)")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--only", choices=["goodput"], help="run only that section")
+    ap.add_argument("--repeats", type=int, default=3, help="goodput: runs of each kind")
     a = ap.parse_args()
+    n_goodput = 2000 if a.quick else 10_000
+    if a.only == "goodput":
+        print(f"# 4. goodput under faults ({n_goodput} events, 4 workers, 1 kB, 2 ms/event, "
+              f"median of {a.repeats})")  # fmt: skip
+        goodput(n_goodput, a.repeats)
+        return
     small_n, big_n = (20_000, 100) if a.quick else (200_000, 600)
     print(f"# 1. throughput with and without the ledger ({a.workers} no-op workers, best of 3)")
     print(
@@ -249,6 +321,9 @@ def main() -> None:
         print("\n# 3. chaos run")
         for key, value in chaos(tmp, 2000 if a.quick else 20_000).items():
             print(f"| {key} | {value} |")
+    print(f"\n# 4. goodput under faults ({n_goodput} events, 4 workers, 1 kB, 2 ms/event, "
+          f"median of {a.repeats})")  # fmt: skip
+    goodput(n_goodput, a.repeats)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from evflow.errors import ConfigurationError, PeerLostError
 from evflow.io import BusyWork, RecordOutput, RecordReader, ToyGenerator
 from evflow.io.records import decode_record
 from evflow.processing.options import ProcessOptions
+from evflow.transport.paths import ipc_listening, runtime_base_dir
 from evflow.transport.shm import RESERVE_STEP_B, ShmArena, ShmViews, segment_prefix
 from test_chaos import WorkerKiller, _kill_role_when, assert_exactly_once
 
@@ -332,6 +333,31 @@ def _segments() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("evflow-")}
 
 
+def _arena_in_use(names: set[str]) -> bool:
+    """A segment among ``names`` holds data (the input placed events in it)."""
+    for name in names:
+        try:
+            if os.stat(f"/dev/shm/{name}").st_blocks > 0:
+                return True
+        except FileNotFoundError:
+            continue
+    return False
+
+
+def _run_alive(segments: set[str]) -> bool:
+    """A process of a killed run still maps one of its ``segments`` or listens on a
+    socket of a session under the (test's own) runtime directory."""
+    if any(_mapped(name) for name in segments):
+        return True
+    for session in runtime_base_dir().iterdir():
+        try:
+            if any(ipc_listening(p) for p in session.iterdir() if p.is_socket()):
+                return True
+        except OSError:  # (not a directory, or gone meanwhile)
+            continue
+    return False
+
+
 def _mapped(name: str) -> bool:
     """True while a running process maps /dev/shm/``name``."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -349,20 +375,23 @@ def test_the_segment_of_a_run_killed_with_kill_9_is_removed_by_the_next_run() ->
     before = _segments()
     proc = subprocess.Popen([sys.executable, "-c", _KILL9_SHM_RUN], start_new_session=True)
     try:
-        deadline = time.monotonic() + 30
-        while not _segments() - before and time.monotonic() < deadline:
+        # events in flight through the arena: its segment exists and holds data
+        deadline = time.monotonic() + 60
+        while not _arena_in_use(_segments() - before) and time.monotonic() < deadline:
             time.sleep(0.02)
-        time.sleep(0.3)  # events in flight through it
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # parent, zygote and roles: nobody cleans up
         proc.wait(timeout=10)
     left = _segments() - before
     assert left, "the killed run never made its arena"
     # its roles die with their parent (PDEATHSIG), a moment later under load; until
-    # then the run is not dead yet and nothing may remove its files
-    deadline = time.monotonic() + 15
-    while any(_mapped(name) for name in left) and time.monotonic() < deadline:
+    # then the run is not dead yet and nothing may remove its files. Wait for what the
+    # next run's clean-up looks at: no process maps the segment and nothing listens on
+    # the session's sockets (bounded; under load this took longer than a fixed wait)
+    deadline = time.monotonic() + 90
+    while _run_alive(left) and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert not _run_alive(left), "the killed run's roles outlived it by 90 s"
     path = Path([ToyGenerator(n_events=20, payload_bytes=100_000), BusyWork()])
     evflow.process(path, workers=1, quiet=True, transport="shm")
     assert not (_segments() & left), "the next run left the dead run's segment behind"

@@ -4,6 +4,7 @@
 
     evflow ctl check-state [ID]          # one node, or every node that answers
     evflow ctl get-metrics [ID]
+    evflow ctl get-run [ID]              # a parallel run's processes (node 'parallel')
     evflow ctl transition ID RUN|STOP|END|...
 
 The bus is ``--bus PUBLISH,SUBSCRIBE`` (the proxy's XSUB and XPUB endpoints), or the
@@ -47,6 +48,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         p = sub.add_parser(name, help=f"print the {what} of node ID, or of every node")
         p.add_argument("node_id", nargs="?", default="", metavar="ID")
         _add_options(p, main=False)
+    p = sub.add_parser(
+        "get-run",
+        help="print a parallel run's processes: alive, lost, restarted, waiting to restart",
+    )
+    p.add_argument("node_id", nargs="?", default="parallel", metavar="ID", help="default: parallel")
+    _add_options(p, main=False)
     p = sub.add_parser("transition", help="ask node ID to take a state transition")
     p.add_argument("node_id", metavar="ID")
     p.add_argument(

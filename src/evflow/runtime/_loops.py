@@ -12,7 +12,7 @@ its private flags.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +59,40 @@ def conditional_loop(dev: Device) -> None:
             _sleep_until(dev, next_s)
         else:
             dev._tick()
+
+
+def send_when_ready(
+    dev: Device, ch: Channel, frames: Sequence[Any], timeout_s: float | None = None
+) -> bool:
+    """Send one message on ``ch``, waiting while no peer can take it (none connected
+    yet, or its queue is at the high-water mark) with the timers going; False, and
+    nothing sent, when a stop is requested (``timeout_s`` None) or after ``timeout_s``.
+
+    A blocking send to a peer that never came would otherwise never return, and the
+    device would ignore every stop request (a SIGINT only sets a flag).
+    """
+    try:
+        ch.send(frames, zmq.NOBLOCK)  # the common case: one call, no poll
+        return True
+    except zmq.Again:
+        pass  # (libzmq takes a multipart message whole or not at all)
+    deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        if deadline_s is None:
+            if dev._loop_stop:
+                return False
+            wait_ms = POLL_INTERVAL_MS
+        else:
+            wait_ms = min(POLL_INTERVAL_MS, int((deadline_s - time.monotonic()) * 1000))
+            if wait_ms <= 0:
+                return False
+        dev._tick()
+        if ch.socket.poll(wait_ms, zmq.POLLOUT):
+            try:
+                ch.send(frames, zmq.NOBLOCK)
+                return True
+            except zmq.Again:
+                continue  # another sender took the room first
 
 
 def _sleep_until(dev: Device, deadline_s: float) -> None:

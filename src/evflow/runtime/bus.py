@@ -44,6 +44,7 @@ from evflow.runtime.busclient import (
     find_bus_sessions,
 )
 from evflow.runtime.buscontrol import BusController
+from evflow.runtime.metrics import ProcessMetrics
 from evflow.transport.channel import Channel, ChannelConfig, open_channel
 from evflow.wire.messages import BadMessageCounter, MsgType, encode_message
 
@@ -110,6 +111,10 @@ class BusProxy:
         self.bad = BadMessageCounter(f"bus proxy {session}")
         self.forwarded = 0
         self.started_s = time.time()
+        # get-metrics: the proxy's own traffic, buffers, RSS and CPU (of the process it
+        # runs in: its own, or the supervisor's when it runs as a thread there)
+        self._metrics = ProcessMetrics(PROXY_ID)
+        self._metrics.add_channels([self._xsub, self._xpub])
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.closed = False
@@ -175,12 +180,16 @@ class BusProxy:
             "response_timestamp": now,
         }
         if cmd == "get-metrics":
-            data.update(
-                messages_forwarded=self.forwarded,
-                bad_messages=self.bad.total,
-                bad_message_kinds=dict(self.bad.counts),
-                uptime_s=round(now - self.started_s, 3),
-                endpoints=str(self.endpoints),
+            data = self._metrics.snapshot(
+                "RUNNING",
+                data["request_timestamp"],
+                {
+                    "messages_forwarded": self.forwarded,
+                    "bad_messages": self.bad.total,
+                    "bad_message_kinds": dict(self.bad.counts),
+                    "uptime_s": round(now - self.started_s, 3),
+                    "endpoints": str(self.endpoints),
+                },
             )
         reply = {
             "req": header.get("req"),

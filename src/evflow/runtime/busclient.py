@@ -181,7 +181,9 @@ class BusClient:
         }
         self._send(MsgType.STATE, header)
 
-    def snapshot(self, node: Any = None, request_timestamp: float | None = None) -> dict[str, Any]:
+    def snapshot(
+        self, node: Any = None, request_timestamp: float | None = None, command: str = "get-metrics"
+    ) -> dict[str, Any]:
         """Metrics of this node (ALICE QC fields; see :mod:`evflow.runtime.metrics`)."""
         extra: dict[str, Any] = {}
         if node is not None and hasattr(node, "channels"):
@@ -190,14 +192,15 @@ class BusClient:
             extra = dict(node.metrics())
             extra.pop("pid", None)
         extra["bus_bad_messages"] = self.bad.total
-        snap = self.metrics.snapshot(self._state(node), request_timestamp, extra)
+        snap = self.metrics.snapshot(self._state(node), request_timestamp, extra, command)
         snap["node_id"] = self.node_id
         return snap
 
     def publish_metrics(self, node: Any = None) -> None:
         """Publish a metrics snapshot now (rates over the interval since the last one)."""
         self.metrics.update_rates()
-        self._send(MsgType.METRICS, {"from": self.node_id, "metrics": self.snapshot(node)})
+        snap = self.snapshot(node, command="metrics")
+        self._send(MsgType.METRICS, {"from": self.node_id, "metrics": snap})
 
     def tick(self, node: Any = None, now_s: float | None = None) -> int:
         """Call from the node's loop: metrics every ``metrics_interval_s``, then commands."""

@@ -6,20 +6,26 @@ client calls about once a second or when asked by ``get-metrics``.
 
 The snapshot has the fields of the ALICE QC prototype's monitoring replies::
 
-    node_id, node_state, pid, request_timestamp, response_timestamp,
+    command, node_id, node_state, pid, request_timestamp, response_timestamp,
     receive_buffer_size, receive_buffer_capacity, receive_buffer_overloaded,
     send_buffer_size, send_buffer_capacity, send_buffer_overloaded,
-    VmRSS (kB, like /proc/<pid>/status), cpu (user+system CPU seconds), cpu_percent,
-    rates {messages_in_hz, messages_out_hz, bytes_in_per_s, bytes_out_per_s,
-           events_in_hz, events_out_hz}
+    VmRSS (kB, like /proc/<pid>/status), cpu_clock (the process's CPU clock: user +
+    system seconds, what the prototype's ``time.clock()`` read), cpu (the same),
+    cpu_percent, rates {messages_in_hz, messages_out_hz, bytes_in_per_s,
+    bytes_out_per_s, events_in_hz, events_out_hz}
 
-plus the raw counters. Timestamps are wall-clock seconds since the epoch (``time.time``,
-comparable across hosts); rates use the monotonic clock.
+plus the raw counters. ``command`` is what the snapshot answers: ``get-metrics``, or
+``metrics`` for the periodic publication. Timestamps are wall-clock seconds since the
+epoch (``time.time``, comparable across hosts); rates use the monotonic clock.
 
-Buffer sizes: ZeroMQ does not expose queue depths, so ``*_buffer_size`` is what the
-owner reports with :meth:`set_queue` (e.g. a worker's held events) and 0 otherwise;
-``*_buffer_capacity`` is the high-water mark; ``send_buffer_overloaded`` is also True
-when a sending channel's socket cannot take a message now (HWM reached, ZMQ_EVENTS).
+Buffers: ZeroMQ does not expose its queue depths, so a size is what the owner holds
+itself and reports with :meth:`set_queue` (the input: events at the workers, sent and
+not finished, against the credit windows it keeps; the output: events written and not
+yet confirmed, against the count that forces a CONFIRM), added to the channels' (0:
+what sits in a socket's queue is not visible). A capacity is the reported one plus the
+channels' high-water marks. ``*_overloaded`` is True when the size reached the
+capacity, and ``send_buffer_overloaded`` also when a sending channel's socket cannot
+take a message now (HWM reached, ``ZMQ_EVENTS``).
 """
 
 from __future__ import annotations
@@ -167,9 +173,9 @@ class ProcessMetrics:
                 continue
             config = getattr(ch, "config", None)
             if config is not None:
-                if ch.type in ("pull", "sub", "router", "dealer", "pair", "rep", "req"):
+                if ch.type in ("pull", "sub", "xsub", "router", "dealer", "pair", "rep", "req"):
                     recv_cap += int(config.rcvBufSize)
-                if ch.type in BLOCKING_SENDERS or ch.type in ("pub", "router"):
+                if ch.type in BLOCKING_SENDERS or ch.type in ("pub", "xpub", "router"):
                     send_cap += int(config.sndBufSize)
             if ch.type in BLOCKING_SENDERS:
                 with contextlib.suppress(zmq.ZMQError):  # closed meanwhile
@@ -188,6 +194,7 @@ class ProcessMetrics:
         node_state: str = "",
         request_timestamp: float | None = None,
         extra: dict[str, Any] | None = None,
+        command: str = "get-metrics",
     ) -> dict[str, Any]:
         """All fields as a JSON-able dict (see the module docstring)."""
         proc = self._process()
@@ -207,6 +214,7 @@ class ProcessMetrics:
             self.update_rates(now_s)
         wall = self.wall()
         snap: dict[str, Any] = {
+            "command": command,
             "node_id": self.node_id,
             "node_state": node_state,
             "pid": os.getpid(),
@@ -214,6 +222,7 @@ class ProcessMetrics:
             "response_timestamp": wall,
             **self._buffers(),
             "VmRSS": rss // 1024,
+            "cpu_clock": round(cpu_s, 3),
             "cpu": round(cpu_s, 3),
             "cpu_percent": round(cpu_percent, 1),
             "rates": dict(self._rates),

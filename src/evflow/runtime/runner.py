@@ -125,7 +125,13 @@ def build_parser(cls: type[Any], class_spec: str) -> argparse.ArgumentParser:
     parser.add_argument(
         "--stats-file", type=Path, default=None, help="write the device summary (JSON) here at exit"
     )
-    parser.add_argument("--bus", default="", help="control-bus endpoints (XSUB;XPUB) to join")
+    parser.add_argument(
+        "--bus",
+        default="",
+        metavar="PUB,SUB",
+        help="join the control bus at these endpoints: the proxy's XSUB and XPUB "
+        "(',' or ';' between them)",
+    )
     for name, spec in cls.declared_params().items():
         conv = _param_converter(spec.type, name)
         parser.add_argument(

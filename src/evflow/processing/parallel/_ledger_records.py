@@ -172,6 +172,7 @@ class LedgerStatistics:
     duplicate_confirms: int  # a uid confirmed twice (a late result after a retry)
     unknown_confirms: int  # a uid this ledger never had (or confirmed long ago)
     requeued: int  # entries sent back for another attempt
+    resent: int  # events sent again (requeued ones confirmed meanwhile are not)
     failures: int  # attempts charged as failed
     timeouts: int  # failures whose kind is timeout
     poisoned: int  # entries that reached max_attempts

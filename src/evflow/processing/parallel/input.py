@@ -19,7 +19,6 @@ its order goes on (``reorder.py``).
 
 from __future__ import annotations
 
-import collections
 import os
 import re
 import signal
@@ -49,6 +48,7 @@ from evflow.processing.parallel.common import RoleBus, channel, current_split, r
 from evflow.processing.parallel.fastpath import encoded_source, read_encoded
 from evflow.processing.parallel.ledger import Failure, Ledger, LedgerEntry
 from evflow.processing.parallel.persist import encode_persistent
+from evflow.processing.parallel.resend import ResendQueue
 from evflow.processing.parallel.rolebus import IDLE_WAIT_MS, wait_ms
 from evflow.processing.parallel.roster import Roster
 from evflow.transport.security import is_alive, is_sibling, peer_pid, refused_total
@@ -170,7 +170,7 @@ class _Input:
                 start_position=self.start_position if options.get("input_restart") else None,
             )
             self.checkpoint.file.remove_stale_temps()
-        self.resend: collections.deque[LedgerEntry] = collections.deque()
+        self.resend = ResendQueue()  # events to send again, grouped by resend.py
         # --ordered only: uid -> input sequence number, of the events not yet confirmed
         self.seq_of: dict[int, int] = {}
         self.timeouts_asked: set[Any] = set()
@@ -297,6 +297,9 @@ class _Input:
             "batches": self.next_bid,
             "ledger": len(self.ledger),
             "in_flight": sum(s.inflight for s in self.workers.values()),
+            # the events at the workers (queued in their sockets or in work) against
+            # the credit windows the input keeps: its send buffer, as far as it knows
+            "send_queue": self._send_queue(),
             "resend_queue": len(self.resend),
             "quarantined": self.quarantined,
             "workers": sorted(s.name for s in self.workers.values()),
@@ -304,6 +307,11 @@ class _Input:
             "stopping": self.stopping,
             "bad_messages": self.bad.total,
         }
+
+    def _send_queue(self) -> tuple[int, int]:
+        window = self.sizer.window
+        slots = self.workers.values()
+        return sum(s.inflight for s in slots), sum(window(s.buffer) for s in slots if s.buffer)
 
     def _drain(self, sock: zmq.Socket[Any], handler: Any, copy: bool = True) -> None:
         # ``back`` is read without copy: its frames carry the sender's pid (metadata)
@@ -472,7 +480,8 @@ class _Input:
                 del self.workers[ident]
         entries = self.ledger.requeue_worker(name, failure, culprit_uid)
         poisoned = [e for e in entries if e.poisoned]
-        self.resend.extend(e for e in entries if not e.poisoned)
+        # (those of messages it finished wait a moment for their CONFIRM: resend.py)
+        self.resend.add_after_death((e for e in entries if not e.poisoned), time.monotonic())
         if poisoned:
             self._quarantine(poisoned)
         return len(entries)
@@ -484,7 +493,7 @@ class _Input:
         copies; the new output drops the uids its reopened files already hold).
         """
         entries = self.ledger.requeue_all("output restarted")
-        self.resend = collections.deque(e for e in entries if not e.poisoned)
+        self.resend.replace(e for e in entries if not e.poisoned)
         self.unsent_quarantine += [e for e in entries if e.poisoned]
         if self.end_for_output is not None:  # it died after END: the new one needs it
             self.back.send_multipart([self.output_id, *self.end_for_output])
@@ -583,6 +592,9 @@ class _Input:
     def _idle_ms(self) -> int:
         """How long the loop may sleep with nothing to send: every wake-up costs the
         busy workers CPU, so only as often as a timeout check or checkpoint needs."""
+        due = self.resend.next_due_s()  # held re-sends (resend.py)
+        if due is not None:
+            return max(1, wait_ms(due - time.monotonic(), TIMEOUT_CHECK_MS))
         if self.roster.leavers:
             return TIMEOUT_CHECK_MS
         wait = self.check_ms if self.ledger.event_timeout_s is not None else IDLE_WAIT_MS
@@ -609,10 +621,19 @@ class _Input:
 
     # --- feeding --------------------------------------------------------------------------
     def _can_feed(self) -> bool:
-        if not self.resend and (self.exhausted or self.stopping or self._ordered_full()):
-            return False  # (a full --ordered window waits for CONFIRMs, not in a busy loop)
+        """True when ``_feed`` has something for a worker with room (no busy loop: an
+        isolated event waits for a worker with nothing in flight)."""
+        workers = self.workers.values()
+        if self.resend:
+            due = self.resend.next_due_s()
+            if due is not None and due <= time.monotonic():
+                self.resend.release(time.monotonic())
+        if self.resend.only_isolated() and (
+            self.exhausted or self.stopping or self._ordered_full()
+        ):  # (a full --ordered window waits for CONFIRMs, not in a busy loop)
+            return bool(self.resend.isolated) and any(s.buffer and not s.inflight for s in workers)
         window = self.sizer.window
-        return any(s.buffer and s.inflight < window(s.buffer) for s in self.workers.values())
+        return any(s.buffer and s.inflight < window(s.buffer) for s in workers)
 
     def _feed(self) -> None:
         for ident, slot in self.workers.items():
@@ -621,10 +642,14 @@ class _Input:
             window = self.sizer.window(slot.buffer)
             while slot.inflight < window:
                 if self.resend:
-                    if not self._resend_some(ident, slot, window - slot.inflight):
-                        break
-                    continue
+                    room = window - slot.inflight
+                    group = self.resend.pick(not slot.inflight, room, self.sizer.size())
+                    if group is not None:
+                        self._resend_live(ident, slot, group)
+                        continue
                 if self.exhausted or self.stopping or self._ordered_full():
+                    if self.resend.isolated:
+                        break  # isolated events left: another worker may be idle
                     return
                 batch = self._read_batch(min(window - slot.inflight, self.sizer.size()))
                 if batch is None:
@@ -633,26 +658,12 @@ class _Input:
                 now = time.monotonic() if self.ledger.event_timeout_s is not None else 0.0
                 self.ledger.add_lists(batch.uids, batch.positions, batch.enc, slot.name, now)
 
-    def _resend_some(self, ident: bytes, slot: _Slot, room: int) -> bool:
-        """Send re-queued events: an isolated one alone and only to an idle worker (its
-        next failure is then its own); events from messages their worker never began
-        together, up to a batch; any other alone (its first result may still come, and
-        must not share a batch, and a histogram delta, with new events: fills.py)."""
-        head = self.resend[0]
-        if head.isolate and slot.inflight:
-            return False
-        picked = [self.resend.popleft()]
-        if head.unstarted and not head.isolate:
-            limit = max(1, min(room, self.sizer.size()))
-            while self.resend and len(picked) < limit:
-                entry = self.resend[0]
-                if entry.isolate or not entry.unstarted or entry.attempt != head.attempt:
-                    break  # (one message carries one attempt number)
-                picked.append(self.resend.popleft())
-        # confirmed meanwhile: its first result arrived after all
+    def _resend_live(self, ident: bytes, slot: _Slot, picked: list[LedgerEntry]) -> None:
+        """Send ``picked`` (one attempt number) again in one message, but those confirmed
+        meanwhile (their first result arrived after all)."""
         live = [e for e in picked if e.state.value != "confirmed"]
         if not live:
-            return True
+            return
         uids = [e.uid for e in live]
         self.ledger.resend_many(uids, slot.name)
         batch = Batch(
@@ -662,13 +673,12 @@ class _Input:
             u64([self.seq_of.get(uid, 0) for uid in uids]),
             packed=False,
         )
-        batch.attempt = head.attempt
+        batch.attempt = live[0].attempt
         self._send(ident, slot, batch)
         # transport shm: events from several extents were copied into a new one, which
         # must live until they are confirmed: the entries hold it, not the old ones
         for entry, frames in zip(live, batch.enc, strict=True):
             entry.frames = frames
-        return True
 
     def _ordered_full(self) -> bool:
         """--ordered: stay within ``reorder_window`` events of the oldest unconfirmed one."""
@@ -807,7 +817,7 @@ def _ledger_counts(ledger: Ledger) -> dict[str, int]:
     return {
         "confirmed": st.confirmed,
         "unconfirmed": st.unconfirmed,
-        "retries": st.requeued,
+        "retries": st.resent,  # events sent again (held ones confirmed meanwhile are not)
         "failures": st.failures,
         "poisoned": st.poisoned,
     }

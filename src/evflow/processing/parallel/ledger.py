@@ -32,6 +32,7 @@ position (positions are added in increasing order; no sorting).
 
 from __future__ import annotations
 
+import collections
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -102,6 +103,7 @@ class Ledger:
         self._duplicate_confirms = 0
         self._unknown_confirms = 0
         self._requeued = 0
+        self._resent = 0
         self._failures = 0
         self._timeouts = 0
         self._poisoned = 0
@@ -253,19 +255,16 @@ class Ledger:
             uids = list(uids)  # iterated twice below
         entries = self._entries
         pop = entries.pop
-        recent, recent_old = self._recent, self._recent_old
+        recent = self._recent
         done = 0
         now: float | None = None
         last: _Batch | None = None  # consecutive uids mostly come from one batch
         touched: list[_Batch] = []
+        missed: list[int] = []
         for uid in uids:
             entry = pop(uid, None)
             if entry is None:
-                # (rare path) listed twice in this confirm counts as a duplicate too
-                if uid in recent or uid in recent_old or uids.count(uid) > 1:
-                    self._duplicate_confirms += 1
-                else:
-                    self._unknown_confirms += 1
+                missed.append(uid)  # (rare path) told apart after the loop
                 continue
             done += 1
             if type(entry) is _Batch:  # the hot path: an event of a batch, never failed
@@ -293,6 +292,8 @@ class Ledger:
                 self._poisoned_pending -= 1
             entry.state = _CONFIRMED
             entry.frames = ()  # let the buffers go even if someone keeps the entry
+        if missed:
+            self._count_missed(uids, missed)
         # a uid not ours (counted above) in ``recent`` only makes a later repeat of it
         # count as a duplicate rather than unknown: both are only counted
         recent.update(uids)
@@ -311,6 +312,24 @@ class Ledger:
             self._recent_old, self._recent = self._recent, set()
         self._trim_order()  # without it a run with no checkpoint kept every batch record
         return done
+
+    def _count_missed(self, uids: list[int], missed: list[int]) -> None:
+        """Count confirmed uids that were not ours: a duplicate if confirmed recently
+        or listed twice in this confirm, else unknown. One pass over ``uids`` (a
+        CONFIRM after worker churn or an input restart may hold thousands of them)."""
+        recent, recent_old = self._recent, self._recent_old
+        listed: collections.Counter[int] | None = None
+        duplicates = 0
+        for uid in missed:
+            if uid in recent or uid in recent_old:
+                duplicates += 1
+                continue
+            if listed is None:
+                listed = collections.Counter(uids)
+            if listed[uid] > 1:
+                duplicates += 1
+        self._duplicate_confirms += duplicates
+        self._unknown_confirms += len(missed) - duplicates
 
     def checkpoint_position(self) -> int:
         """The lowest unconfirmed source position: every position below it is confirmed."""
@@ -548,6 +567,7 @@ class Ledger:
             entry.send = send
             wdict[entry.uid] = entry
         self._pending -= len(entries)
+        self._resent += len(entries)
         return entries
 
     # --- introspection ------------------------------------------------------------------
@@ -605,6 +625,7 @@ class Ledger:
             duplicate_confirms=self._duplicate_confirms,
             unknown_confirms=self._unknown_confirms,
             requeued=self._requeued,
+            resent=self._resent,
             failures=self._failures,
             timeouts=self._timeouts,
             poisoned=self._poisoned,

@@ -240,6 +240,8 @@ class _Output:
             "quarantined": self.quarantined,
             "duplicates": self.seen.duplicates_dropped,
             "written_not_confirmed": self.pending_n,
+            # held until a CONFIRM, which goes at the latest when this many wait
+            "receive_queue": (self.pending_n, CONFIRM_EVENTS),
             "worker_results": len(self.results),
             "end_received": self.end is not None,
             "bad_messages": self.bad.total,

@@ -71,7 +71,9 @@ class RoleBus:
 
     ``counters`` (set by the role) returns the role's counters as a dict; its
     ``events_in``, ``events_out``, ``messages_in`` and ``messages_out`` feed the
-    published rates, everything else is added to the ``get-metrics`` reply as is.
+    published rates, ``receive_queue`` and ``send_queue`` (``(size, capacity)`` of what
+    the role holds) the buffer fields, everything else is added to the ``get-metrics``
+    reply as is.
     It is called at most once per tick and per command, never per event.
     """
 
@@ -195,6 +197,10 @@ class RoleBus:
         for key in _RATED:
             if key in extra:
                 setattr(m, key, int(extra.pop(key)))
+        for which in ("receive", "send"):  # (size, capacity) of what the role holds
+            queue = extra.pop(f"{which}_queue", None)
+            if queue is not None:
+                m.set_queue(which, *queue)
         self._extra = extra
 
     def metrics(self) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import Any
 
 import zmq
 
+from evflow.runtime._loops import send_when_ready
 from evflow.runtime.device import BIDIRECTIONAL, Device, Origin
 from evflow.transport.channel import Channel
 from evflow.wire.messages import Message, MsgType, encode_message
@@ -25,16 +26,42 @@ from evflow.wire.messages import Message, MsgType, encode_message
 log = logging.getLogger("evflow.device")
 
 ACK_SUFFIX = "-ack"
+#: after a stop request, how long END may wait for room at a peer that stopped taking
+#: messages (a live one makes room in milliseconds; one that left never does)
+#: how long END may wait for a peer to take it when the caller names no time
+END_SEND_TIMEOUT_S = 10.0
+STOPPED_END_WAIT_S = 2.0
 
 
-def send_end(dev: Device, name: str, index: int, count: int, **extra: Any) -> None:
-    """Send END with ``count`` (messages sent on this sub-channel) and our id (nothing
-    on a raw channel: the receiver counts)."""
-    if dev.channel(name, index).raw:
-        log.info("%s: %d messages on raw channel %s[%d] (no END on raw framing)",
-                 dev.id, count, name, index)  # fmt: skip
-        return
-    dev.send(name, MsgType.END, {"count": count, "from": dev.id, **extra}, index=index)
+def send_end(
+    dev: Device,
+    name: str,
+    index: int,
+    count: int,
+    timeout_s: float = END_SEND_TIMEOUT_S,
+    **extra: Any,
+) -> bool:
+    """Send END with ``count`` (messages sent on this sub-channel) and our id; False
+    (logged) when no peer took it within ``timeout_s``. With nothing sent (``count``
+    0) it goes only if a peer is there now: a device stopped before its peer ever
+    came must not wait for it; after a stop request it waits ``STOPPED_END_WAIT_S`` at
+    most (a peer that vanished, or a connect that never reached anyone). Nothing goes
+    on a raw channel (FairMQ framing has no END: the receiver counts); False then."""
+    ch = dev.channel(name, index)
+    if ch.raw:
+        log.info("%s: %d messages on raw channel %s (no END on raw framing)",
+                 dev.id, count, ch.label)  # fmt: skip
+        return False
+    if count == 0:
+        timeout_s = 0.0
+    elif dev.shutdown_requested:
+        timeout_s = min(timeout_s, STOPPED_END_WAIT_S)
+    frames = encode_message(MsgType.END, {"count": count, "from": dev.id, **extra})
+    if send_when_ready(dev, ch, frames, timeout_s):
+        return True
+    why = "no peer is connected" if count == 0 else f"no peer took it within {timeout_s:g} s"
+    log.warning("%s: END on %s not sent: %s", dev.id, ch.label, why)
+    return False
 
 
 def ack_sources(dev: Device, name: str) -> list[Channel]:

@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 from evflow.params import Param
+from evflow.runtime._loops import send_when_ready
 from evflow.runtime.device import Device, Origin
 from evflow.runtime.devices._stream import acknowledge, send_end, wait_for_acks
 from evflow.runtime.framing import outgoing
@@ -49,19 +50,24 @@ class _Forwarder(Device):
         if msg.type is MsgType.ACK:
             return True
         i = self._pick()
+        self.received += 1
         frames = outgoing(self._outs[i], msg.type, msg.header, msg.payload)
         if frames is None:  # a raw output carries only data
             self.not_forwarded += 1
             return True
-        self._outs[i].send(frames)
+        if not send_when_ready(self, self._outs[i], frames):
+            log.warning("%s: stopped while %s had no peer: 1 message not forwarded", self.id,
+                        self._outs[i].label)  # fmt: skip
+            return False
         self.sent[i] += 1
-        self.received += 1
         return True
 
     def post_run(self) -> None:
-        for i in range(len(self._outs)):
-            send_end(self, self.out_channel, i, self.sent[i])
-        acked = wait_for_acks(self, self.out_channel, len(self._outs), self.ack_timeout_s)
+        ends = sum(
+            send_end(self, self.out_channel, i, self.sent[i], self.ack_timeout_s)
+            for i in range(len(self._outs))
+        )
+        acked = wait_for_acks(self, self.out_channel, ends, self.ack_timeout_s) if ends else 0
         log.info(
             "%s: forwarded %d messages %s, %d of %d END acknowledged",
             self.id,

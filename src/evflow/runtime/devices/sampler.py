@@ -11,6 +11,7 @@ from typing import Any
 import zmq
 
 from evflow.params import Param
+from evflow.runtime._loops import send_when_ready
 from evflow.runtime.device import Device
 from evflow.runtime.devices._stream import send_end, wait_for_acks
 from evflow.runtime.framing import outgoing
@@ -47,15 +48,18 @@ class Sampler(Device):
         self._cpu0 = time.process_time()
 
     def conditional_run(self) -> bool:
-        self._out.send(self._frames)
+        # waits for a peer, but not past a stop request (a sink that never came)
+        if not send_when_ready(self, self._out, self._frames):
+            return False
         self.sent += 1
         return True
 
     def post_run(self) -> None:
         self.elapsed_s = time.monotonic() - self._t0
         self.cpu_s = time.process_time() - self._cpu0  # all threads, libzmq's I/O thread too
-        send_end(self, self.channel_name, 0, self.sent)
-        self.acked = wait_for_acks(self, self.channel_name, 1, self.ack_timeout_s)
+        self.acked = 0
+        if send_end(self, self.channel_name, 0, self.sent, self.ack_timeout_s):
+            self.acked = wait_for_acks(self, self.channel_name, 1, self.ack_timeout_s)
         log.info(
             "%s: sent %d messages of %d B in %.3f s",
             self.id,

@@ -1,0 +1,120 @@
+"""A device whose peer never came (or went away) still stops on the first SIGINT.
+
+Real ``evflow device`` processes and real signals: a sampler with no sink used to log
+"orderly shutdown" and then block for ever in a send no peer would take.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from _proc import finish, start_device
+
+# a stop must be quick: the loops look at their flags every 100 ms, END waits at most
+# 2 s for a peer that stopped taking messages, a close lingers 0.5 s
+STOP_BOUND_S = 10.0
+
+
+def cc(**keys: Any) -> tuple[str, str]:
+    return ("--channel-config", ",".join(f"{k}={v}" for k, v in keys.items()))
+
+
+def wait_for_stderr(proc: subprocess.Popen[str], wanted: str, timeout_s: float = 20) -> str:
+    """Read the device's log (stderr) until a line contains ``wanted``; bounded."""
+    assert proc.stderr is not None
+    fd = proc.stderr.fileno()
+    buf = ""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.1)
+        if ready:
+            chunk = os.read(fd, 65536).decode()
+            if not chunk:
+                break
+            buf += chunk
+            if wanted in buf:
+                return buf
+    proc.kill()
+    proc.communicate()
+    raise AssertionError(f"never saw {wanted!r} in the log: {buf[-2000:]!r}")
+
+
+def stop_and_time(proc: subprocess.Popen[str]) -> tuple[int, str, float]:
+    """One SIGINT; (exit code, rest of the log, seconds to exit). Fails past the bound."""
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    code, _, err = finish(proc, STOP_BOUND_S)
+    return code, err, time.monotonic() - t0
+
+
+def unused_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_sampler_whose_sink_never_came_stops_on_the_first_sigint(tmp_path: Path) -> None:
+    stats = tmp_path / "sampler.json"
+    sampler = start_device(
+        "sampler", "--id", "lonely", "--stats-file", str(stats),
+        *cc(name="data", type="push", method="bind", address="ipc://never-read"),
+    )  # fmt: skip
+    wait_for_stderr(sampler, "lonely: RUNNING")
+    time.sleep(0.3)  # well inside the loop, blocked on the peer that is not there
+    code, err, took_s = stop_and_time(sampler)
+    assert code == 0, err
+    assert "EXITING" in err and "END on data[0] not sent: no peer is connected" in err
+    assert took_s < STOP_BOUND_S
+    assert json.loads(stats.read_text())["sampler"]["sent"] == 0
+
+
+def test_a_sampler_connecting_to_nobody_over_tcp_stops_on_the_first_sigint() -> None:
+    # a tcp connect queues messages for a peer that may come: up to the high-water
+    # mark, then the send blocks as with no peer at all
+    sampler = start_device(
+        "sampler", "--id", "tcp-lonely", "--msg-size", "10",
+        *cc(name="data", type="push", method="connect", address=f"tcp://127.0.0.1:{unused_port()}",
+            sndBufSize=50),
+    )  # fmt: skip
+    wait_for_stderr(sampler, "tcp-lonely: RUNNING")
+    time.sleep(0.5)
+    code, err, _ = stop_and_time(sampler)
+    assert code == 0, err
+    assert "EXITING" in err and "END on data[0] not sent" in err
+
+
+def test_a_proxy_whose_output_never_came_stops_and_so_does_its_sampler(tmp_path: Path) -> None:
+    proxy = start_device(
+        "proxy", "--id", "stuck-proxy",
+        *cc(name="data-in", type="pull", method="bind", address="ipc://np-in"),
+        *cc(name="data-out", type="push", method="bind", address="ipc://np-out"),
+    )  # fmt: skip
+    wait_for_stderr(proxy, "stuck-proxy: RUNNING")
+    sampler = start_device(
+        "sampler", "--id", "feeder", "--msg-size", "10", "--stats-file", str(tmp_path / "s.json"),
+        *cc(name="data", type="push", method="connect", address="ipc://np-in", sndBufSize=20),
+    )  # fmt: skip
+    try:
+        wait_for_stderr(sampler, "feeder: RUNNING")
+        time.sleep(0.5)  # the proxy holds a message for nobody; the feeder is blocked
+        code, err, _ = stop_and_time(proxy)
+        assert code == 0, err
+        assert "1 message not forwarded" in err and "EXITING" in err
+        # the feeder's peer went away: its first SIGINT ends it too, END unsent
+        code, err, _ = stop_and_time(sampler)
+        assert code == 0, err
+        assert "EXITING" in err
+        assert json.loads((tmp_path / "s.json").read_text())["sampler"]["sent"] > 0
+    finally:
+        for p in (proxy, sampler):
+            if p.poll() is None:
+                p.kill()
+                p.communicate()

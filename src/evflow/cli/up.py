@@ -11,6 +11,7 @@ returns once every device is RUNNING; the controller goes on in the background
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import signal
@@ -48,6 +49,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--start-timeout", type=float, default=60.0, metavar="S")
     parser.add_argument("--grace", type=float, default=3.0, metavar="S", help="per stop group")
     parser.add_argument("--quiet", action="store_true", help="no live table or state lines")
+    parser.add_argument(
+        "--severity", default="info", choices=("debug", "info", "warn", "error"), help="log level"
+    )
     parser.add_argument("--notify-fd", type=int, default=-1, help=argparse.SUPPRESS)
     parser.set_defaults(func=_handle)
 
@@ -101,6 +105,10 @@ def _run(args: argparse.Namespace, topology: Any, session: str, holder: dict[str
     notify_fd = args.notify_fd
     if notify_fd >= 0:
         _log_to_session(session)
+    level = {"warn": logging.WARNING}.get(args.severity, getattr(logging, args.severity.upper()))
+    logging.basicConfig(
+        level=level, stream=sys.stderr, format="[%(asctime)s][%(levelname)s] %(message)s"
+    )
     view = None if args.quiet or notify_fd >= 0 else make_view()
 
     def on_up(ctrl: Any) -> None:

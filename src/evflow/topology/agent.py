@@ -21,6 +21,7 @@ the missing heartbeat.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import logging
 import os
@@ -203,6 +204,10 @@ class Agent:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         self.preflight = preflight(self.session)
+        # what is loaded now stays out of the collector's way: forked devices then share
+        # these pages instead of copying them when the collector walks them
+        gc.collect()
+        gc.freeze()
         self.sup.start()  # the zygote forks now: before any zmq context
         self.sup.on_exit(self._on_exit)
         claim_session(self.local_session)

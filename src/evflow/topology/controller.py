@@ -163,11 +163,14 @@ class Controller:
                 args += ["--preload", module]
             self.handles[name] = self.launcher.start_agent(host, args, self._agent_env())
         self._wait_agents()
+        self._lap("agents up")
         self._spawn()
+        self._lap("devices spawned")
         for transition, target, moved in STAGES:
             if transition == "CONNECT":
                 self._push_properties()
             self._stage(transition, target, moved)
+            self._lap(f"all {target}")
         self.phase = "running"
         self.running_after_s = time.monotonic() - self.started_s
         log.info(
@@ -177,6 +180,9 @@ class Controller:
             len(self.hosts),
             self.running_after_s,
         )
+
+    def _lap(self, what: str) -> None:
+        log.debug("start-up: %s after %.3f s", what, time.monotonic() - self.started_s)
 
     def _session_dir(self) -> Any:
         from evflow.transport.paths import session_dir
@@ -504,6 +510,8 @@ class Controller:
         if self._context is not None:
             self._context.term()
             self._context = None
+        if self.sup.zygote.pid is not None:
+            self.sup.shutdown(fast=self.signals > 1)  # the bus proxy: SIGTERM, then SIGKILL
         self.sup.close()
         if self.local:  # every agent ran here and is gone: its session files go too
             for name in self.hosts:

@@ -275,15 +275,15 @@ def _placement_counts(
     expendable = entry.get("expendable", False)
     if not isinstance(expendable, bool):
         raise ConfigurationError(f"{where}: expendable must be true or false, got {expendable!r}")
-    if n_min is not None and not every and n_min > instances:
-        raise ConfigurationError(
-            f"{where}: n_min = {n_min} but instances = {instances}; "
-            f"raise instances or lower n_min to at most {instances}"
-        )
     if instances == 0 and not every and (n_min is None or n_min > 0) and not expendable:
         raise ConfigurationError(
             f"{where}: instances = 0 but the topology needs it (n_min = {n_min or 1}); "
             "set instances >= 1, or n_min = 0 to allow none"
+        )
+    if n_min is not None and not every and n_min > instances:
+        raise ConfigurationError(
+            f"{where}: n_min = {n_min} but instances = {instances}; "
+            f"raise instances or lower n_min to at most {instances}"
         )
     return instances, hosts, every, n_min, expendable
 
@@ -303,6 +303,8 @@ def _collection(name: str, entry: Any, source: str) -> CollectionSpec:
 def _device(name: str, entry: Any, source: str, collection: str | None) -> DeviceSpec:
     where = f"{source}: device {name!r}"
     _check_name(name, source, "device")
+    if name in ("controller", "bus"):
+        raise ConfigurationError(f"{where}: the name is taken by the control bus; rename it")
     entry = _table(entry, source, f"device {name!r}")
     _unknown(entry, _DEVICE_KEYS, source, f"device {name!r}")
     cls = entry.get("class")

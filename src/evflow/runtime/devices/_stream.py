@@ -112,9 +112,12 @@ class EndTracker:
     _needed: int
     ends: int
 
-    def _track_end(self, msg: Message) -> None:
-        sender = msg.header.get("from")
-        self.__dict__.setdefault("ends_from", set()).add(str(sender))
+    def _track_end(self, msg: Message) -> bool:
+        """Note an END; False if it comes from a peer already given up as lost (its END
+        was no longer waited for, so it must not stand in for another peer's)."""
+        sender = str(msg.header.get("from"))
+        self.__dict__.setdefault("ends_from", set()).add(sender)
+        return sender not in self.lost_peers
 
     @property
     def lost_peers(self) -> set[str]:

@@ -41,8 +41,8 @@ class _Forwarder(EndTracker, Device):
 
     def _handle(self, msg: Message, origin: Origin) -> bool:
         if msg.type is MsgType.END:
-            self.ends += 1
-            self._track_end(msg)
+            if self._track_end(msg):
+                self.ends += 1
             acknowledge(self, msg, origin, count=self.received)
             return self.ends < self._needed
         if msg.type is MsgType.ACK:

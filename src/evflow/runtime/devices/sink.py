@@ -54,8 +54,8 @@ class Sink(EndTracker, Device):
             self._cpu_last = time.process_time()
             count = msg.header.get("count")
             self.announced += count if isinstance(count, int) else 0
-            self.ends += 1
-            self._track_end(msg)
+            if self._track_end(msg):
+                self.ends += 1
             acknowledge(self, msg, origin, count=self.received)
             return self.ends < self._needed
         self.other += 1

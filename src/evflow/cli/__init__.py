@@ -43,12 +43,12 @@ def _version() -> str:
 def main(argv: list[str] | None = None) -> int:
     # a Ctrl-C that an extension's import turns into a plain ImportError is still a Ctrl-C
     count_interrupts()
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
     try:
+        parser = build_parser()  # a Ctrl-C while sub-commands import is a Ctrl-C too
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 2
         return int(args.func(args) or 0)
     except EvflowError as exc:
         # one clear line, no traceback storm: the error message names the problem

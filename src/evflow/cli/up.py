@@ -15,9 +15,7 @@ import logging
 import os
 import re
 import signal
-import subprocess
 import sys
-import uuid
 from typing import Any
 
 from evflow.errors import ConfigurationError, EvflowError
@@ -57,6 +55,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def session_name(name: str) -> str:
+    import uuid
+
     base = re.sub(r"[^A-Za-z0-9_-]", "-", name)[:20] or "topology"
     return f"{base}-{uuid.uuid4().hex[:6]}"
 
@@ -193,6 +193,8 @@ def _log_to_session(session: str) -> None:
 
 def _detach(args: argparse.Namespace, session: str) -> int:
     """Start the controller in the background; return once it says all are RUNNING."""
+    import subprocess
+
     read_fd, write_fd = os.pipe()
     argv = [sys.executable, "-m", "evflow", "up", args.topology, "--launcher", args.launcher]
     argv += ["--session", session, "--notify-fd", str(write_fd), "--grace", str(args.grace)]

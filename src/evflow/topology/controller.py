@@ -479,10 +479,13 @@ class Controller:
         self.phase = "stopping"
         levels = sorted({r.spec.stop_order for r in self.records.values()})
         for level in levels if not fast else ():
+            # devices no agent reported yet are left to the agents' shutdown below
             group = [r for r in self.records.values() if r.spec.stop_order == level]
             deadline = time.monotonic() + self.grace_s
             next_send = 0.0
-            while (alive := [r.id for r in group if not r.ended]) and time.monotonic() < deadline:
+            while (alive := [r.id for r in group if r.process in ("running", "restarting")]) and (
+                time.monotonic() < deadline
+            ):
                 if self.signals > 1:
                     break
                 if time.monotonic() >= next_send:

@@ -299,3 +299,30 @@ def test_ctrl_c_during_start_up_leaves_nothing_behind(tmp_path: Path) -> None:
         assert proc.returncode in (0, 130, -signal.SIGINT), f"at {delay:.2f} s: {err}"
         assert "Traceback" not in err, err
     assert 130 in codes
+
+
+def test_killed_device_is_restarted_and_walked_back_to_running(tmp_path: Path) -> None:
+    topo, hosts = slow_topology(tmp_path, expendable=False)
+    text = topo.read_text().replace("instances = 4", 'instances = 2\nrestart = "on-failure"')
+    topo.write_text(text)
+    out = tmp_path / "stats"
+    session = "restart"
+    proc = start_up(str(topo), "--hosts", str(hosts), "--session", session, "--stats-dir", str(out))
+    lines = Lines(proc)
+    try:
+        lines.wait_for("devices RUNNING", 60)
+        data = json.loads(evflow("status", "--session", session, "--json").stdout)
+        pid = next(d["pid"] for d in data["devices"] if d["id"] == "sampler_1")
+        os.kill(pid, signal.SIGKILL)
+        lines.wait_for("sampler_1 restarted and RUNNING again", 20)
+        code, text = lines.finish()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 0, text
+    found = stats(out)
+    assert found["sampler_1"]["sampler"]["sent"] == 1000  # the new process sent them all
+    assert found["sampler_1"]["sampler"]["acked"] == 1
+    sink = found["sink"]["sink"]
+    assert sink["received"] == sink["announced"] >= 2000

@@ -111,8 +111,9 @@ class Device:
         self.iterations = 0
         self.bad_messages: dict[str, BadMessageCounter] = {}
         self._bus: Any = None
-        #: endpoint exchange of a topology (``evflow.topology.node``): ``published(device)``
-        #: after the bind channels opened, ``channel_configs(device)`` before connecting
+        #: endpoint exchange of a topology (``evflow.topology.node``): the channel configs
+        #: come from ``channel_configs(device, binding)`` before the bind channels and
+        #: again before the connect channels open; ``published(device)`` after binding
         self.exchange: Any = None
         self.error: BaseException | None = None
         self._next_tick = 0.0
@@ -307,8 +308,8 @@ class Device:
             return False
 
     def _open(self, binding: bool) -> None:
-        if not binding and self.exchange is not None:
-            self.channel_configs = list(self.exchange.channel_configs(self))
+        if self.exchange is not None:
+            self.channel_configs = list(self.exchange.channel_configs(self, binding))
         counts: dict[str, int] = {}
         for cfg in self.channel_configs:
             index = counts.get(cfg.name, 0)

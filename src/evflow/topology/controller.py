@@ -356,6 +356,8 @@ class Controller:
                 self.bus.tell("heartbeat", live)
         self._check_hosts(now)
         self._check_losses()
+        if self.phase == "running":
+            self._rewalk(now)
         if self.view is not None:
             self.view.update(self)
         if self.phase == "starting":
@@ -413,6 +415,27 @@ class Controller:
             for consumer, _channel in self.topology.consumers.get(rec.id, []):
                 if not self.records[consumer].ended:
                     self.bus.tell("peer-lost", [consumer], {"peer": rec.id})
+
+    def _rewalk(self, now: float) -> None:
+        """Walk devices that their agent restarted back to RUNNING, one step at a time
+        (their own endpoints first, so that a binder binds where its peers look)."""
+        assert self.bus is not None
+        for rec in self.records.values():
+            if not rec.rewalk or rec.process != "running" or now < rec.next_step_s:
+                continue
+            if rec.rank >= RANK["RUNNING"]:
+                rec.rewalk = False
+                log.info("device %s restarted and RUNNING again", rec.id)
+                continue
+            rec.next_step_s = now + _RESEND_S
+            if rec.rank < 0:
+                self.bus.tell("set-properties", [rec.id], {"properties": self.bus.properties})
+            for transition, target, moved in STAGES:
+                if rec.rank < RANK[target]:
+                    if rec.rank < RANK[moved]:
+                        self.bus.tell("transition", [rec.id], {"transition": transition})
+                    break
+            self.bus.tell("check-state", [rec.id])
 
     def watch(self) -> int:
         """Until every device ended, a loss breaks the desired state, or a stop request."""

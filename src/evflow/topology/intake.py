@@ -168,7 +168,10 @@ class ControllerBus:
             rc = entry.get("returncode")
             dev.returncode = rc if isinstance(rc, int) else dev.returncode
             dev.message = str(entry.get("message") or dev.message)
-            dev.restarts = int(entry.get("restarts") or 0)
+            restarts = int(entry.get("restarts") or 0)
+            if restarts > dev.restarts and process == "running":
+                dev.rewalk, dev.rank, dev.state = True, -1, "RESTARTED"
+            dev.restarts = restarts
 
     def _reply(self, sender: str, header: dict[str, Any]) -> None:
         req = header.get("req")

@@ -59,17 +59,23 @@ class Exchange:
         )
 
     def bind_configs(self) -> list[ChannelConfig]:
+        """Bind channels; a restarted device binds the endpoints it had before (the
+        controller pushed them), so that its peers' connections find it again."""
         out = []
         for ch in self.launch.channels:
             if ch.bind:
-                out.append(self._config(ch, "bind", ch.bind))
+                before = self.properties.get(f"{self.launch.id}.{ch.name}")
+                out.append(self._config(ch, "bind", ";".join(before) if before else ch.bind))
             elif ch.address and ch.address.startswith("@"):
                 out.append(self._config(ch, "", ch.address))
         return out
 
-    def channel_configs(self, device: Any) -> list[ChannelConfig]:
-        """Bind configs plus connect configs with the peers' published endpoints."""
+    def channel_configs(self, device: Any, binding: bool) -> list[ChannelConfig]:
+        """Bind configs, plus (``binding`` False) connect configs with the peers'
+        published endpoints."""
         out = self.bind_configs()
+        if binding:
+            return out
         wanted = [key for ch in self.launch.channels for key, _ in ch.connect]
         self._wait_for(wanted, device)
         for ch in self.launch.channels:

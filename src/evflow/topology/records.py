@@ -49,6 +49,9 @@ class DeviceRecord:
     msg_out_hz: float = 0.0
     summary: dict[str, Any] = field(default_factory=dict)
     restarts: int = 0
+    #: restarted by its agent: to be walked to RUNNING again (``next_step_s``: resend time)
+    rewalk: bool = False
+    next_step_s: float = 0.0
 
     @property
     def id(self) -> str:

@@ -99,6 +99,7 @@ class Controller:
         self.down_requested = False
         self._reported: set[str] = set()
         self._next_beat = 0.0
+        self._last_tick_s = time.monotonic()
         self.sup = Supervisor(session, bus=True, bus_addresses=self._bus_addresses())
         self._context: zmq.Context[Any] | None = None
         self.bus: ControllerBus | None = None
@@ -349,12 +350,16 @@ class Controller:
         assert self.bus is not None
         self.bus.pump(timeout_s)
         now = time.monotonic()
+        # were we starved (a loaded machine)? then silence says nothing about the hosts
+        starved = now - self._last_tick_s > HOST_LOST_S / 2
+        self._last_tick_s = now
         if now >= self._next_beat:
             self._next_beat = now + HEARTBEAT_S
             live = [agent_id(h) for h, r in self.hosts.items() if not r.lost]
             if live:
                 self.bus.tell("heartbeat", live)
-        self._check_hosts(now)
+        if not starved:
+            self._check_hosts(now)
         self._check_losses()
         if self.phase == "running":
             self._rewalk(now)

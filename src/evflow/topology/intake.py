@@ -91,7 +91,8 @@ class ControllerBus:
             left_ms = max(0, int((deadline - time.monotonic()) * 1000))
             if not self._sub.poll(left_ms):
                 return
-            for _ in range(2000):
+            # drain what is queued: a heartbeat left unread must not look like a lost host
+            for _ in range(100_000):
                 try:
                     frames = self._sub.recv(zmq.NOBLOCK)
                 except zmq.Again:

@@ -109,9 +109,10 @@ def violations(groups: list[Group], records: dict[str, DeviceRecord]) -> list[st
             continue
         alive = sum(1 for copy in group.copies if not any(records[d].lost for d in copy))
         if alive < group.n_min:
-            lost = sorted(d for copy in group.copies for d in copy if records[d].lost)
+            lost = [d for copy in group.copies for d in copy if records[d].lost]
+            shown = ", ".join(lost[:8]) + (f" and {len(lost) - 8} more" if len(lost) > 8 else "")
             out.append(
                 f"{group.name} needs n_min={group.n_min} cop{'y' if group.n_min == 1 else 'ies'}"
-                f", {alive} left (lost: {', '.join(lost)})"
+                f", {alive} left (lost: {shown})"
             )
     return out

@@ -141,7 +141,7 @@ def _run(args: argparse.Namespace, topology: Any, session: str, holder: dict[str
         code = ctrl.run()
     finally:
         if view is not None:
-            view.close()
+            view.close(ctrl)
     _report(ctrl)
     if ctrl.failure:
         _notify(args, f"error: {ctrl.failure}\n")

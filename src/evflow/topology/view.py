@@ -39,7 +39,7 @@ class LineView:
             self._last = text
             print(f"{ctrl.topology.name}: {text}", file=self.stream, flush=True)
 
-    def close(self) -> None:
+    def close(self, ctrl: Any = None) -> None:
         pass
 
 
@@ -91,7 +91,10 @@ class TableView:
         rows = max(5, self.console.size.height - 8)
         self.live.update(status_table(ctrl.status(), rows), refresh=True)
 
-    def close(self) -> None:
+    def close(self, ctrl: Any = None) -> None:
+        if ctrl is not None:  # the final states, not those of the last refresh
+            rows = max(5, self.console.size.height - 8)
+            self.live.update(status_table(ctrl.status(), rows), refresh=True)
         self.live.stop()
 
 

@@ -6,7 +6,8 @@
 2. **Walk** every device through FairMQ's sequence over the bus, one step for all at a
    time (INIT_DEVICE, COMPLETE_INIT, BIND, CONNECT, INIT_TASK, RUN); before CONNECT
    the endpoints the binders published are pushed to everyone.
-3. **Watch**: agent heartbeats (a host silent for HOST_LOST_S is lost), device exits,
+3. **Watch**: agent heartbeats (a host silent for HOST_LOST_S that does not answer a
+   ping within PROBE_S is lost), device exits,
    the desired state (``n_min``/``expendable``): a tolerated loss is shown and the
    consumers of a lost device stop waiting for its END; any other loss stops the
    topology with one message naming the host or device.
@@ -36,6 +37,7 @@ from evflow.topology.protocol import (
     CONTROLLER_ID,
     HEARTBEAT_S,
     HOST_LOST_S,
+    PROBE_S,
     agent_id,
     host_session,
 )
@@ -376,6 +378,14 @@ class Controller:
             code = handle.poll() if handle is not None else None
             silent_s = now - rec.last_beat_s if rec.last_beat_s is not None else 0.0
             if code is None and silent_s <= HOST_LOST_S:
+                rec.probe_until_s = None
+                continue
+            if code is None and rec.probe_until_s is None:
+                rec.probe_until_s = now + PROBE_S
+                assert self.bus is not None
+                self.bus.tell("ping", [agent_id(name)])
+                continue
+            if code is None and rec.probe_until_s is not None and now < rec.probe_until_s:
                 continue
             if self.phase == "stopping" and code is not None:
                 rec.exited = True

@@ -175,6 +175,8 @@ class ControllerBus:
             dev.restarts = restarts
 
     def _reply(self, sender: str, header: dict[str, Any]) -> None:
+        if sender.startswith(AGENT_PREFIX) and sender[len(AGENT_PREFIX) :] in self.hosts:
+            self.hosts[sender[len(AGENT_PREFIX) :]].last_beat_s = time.monotonic()  # alive
         req = header.get("req")
         if isinstance(req, str) and req in self.replies:
             self.replies[req].setdefault(sender, dict(header))

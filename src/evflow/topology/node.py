@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import signal
 import time
 from pathlib import Path
@@ -206,6 +207,9 @@ def run_node(
     cls = load_device_class(launch.cls)
     context: zmq.Context[Any] = zmq.Context()
     client = BusClient(context, launch.id, bus)
+    # hundreds of devices start together: spread their once-a-second metrics over the
+    # second instead of every one taking a psutil snapshot at the same moment
+    client._next_metrics_s = time.monotonic() + random.random()
     device = None
     code = 1
     try:

@@ -16,7 +16,7 @@ controller -> agents (COMMAND, no answer needed)
 agent -> controller (METRICS, every HEARTBEAT_S and at once on a device exit)
     ``{from: agent.H, metrics: {..., agent: {host, session, pid, preflight,
     devices: {id: {pid, state, returncode, message, restarts}}}}}``; silence for
-    HOST_LOST_S means the host is lost.
+    HOST_LOST_S, then no answer to a ``ping`` within PROBE_S, means the host is lost.
 controller -> devices (COMMAND)
     ``transition {transition}`` (the bus's own), ``set-properties {properties:
     {"dev.chan": [endpoints]}}``, ``peer-lost {peer}`` (stop waiting for its END).
@@ -35,8 +35,10 @@ AGENT_PREFIX = "agent."
 
 #: agent heartbeat and controller heartbeat period (s)
 HEARTBEAT_S = 0.25
-#: a host whose agent is silent this long is lost (the goal: reported within 2 s)
-HOST_LOST_S = 1.5
+#: a host whose agent is silent this long is pinged, and lost if the ping is not
+#: answered within PROBE_S either (the goal: reported within 2 s)
+HOST_LOST_S = 1.2
+PROBE_S = 0.5
 #: an agent that hears nothing from the controller this long stops its devices
 CONTROLLER_LOST_S = 6.0
 #: how long a connecting channel waits for its peer's endpoint by default (s)

@@ -99,6 +99,8 @@ class HostRecord:
     exited: bool = False
     pid: int | None = None
     preflight: dict[str, Any] = field(default_factory=dict)
+    #: a silent agent is pinged once before it is called lost (a dropped heartbeat)
+    probe_until_s: float | None = None
 
 
 def violations(groups: list[Group], records: dict[str, DeviceRecord]) -> list[str]:

@@ -52,6 +52,7 @@ PRELOAD = (
     "evflow.runtime.devices.sampler",
     "evflow.runtime.devices.sink",
     "evflow.runtime.devices.forward",
+    "evflow.runtime.runner",
     "evflow.topology.node",
 )
 

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 EXAMPLES = Path(__file__).parent.parent / "examples" / "topologies"
@@ -164,6 +165,14 @@ def slow_topology(tmp_path: Path, expendable: bool) -> tuple[Path, Path]:
     return topo, hosts
 
 
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for whoever adopted it is not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def agent_pid(session: str, host: str) -> int:
     proc = evflow("status", "--session", session, "--json", timeout_s=30)
     assert proc.returncode == 0, proc.stderr
@@ -262,8 +271,14 @@ def test_detach_status_ctl_and_down(tmp_path: Path) -> None:
         time.sleep(0.2)
     assert states["sampler_0"] == states["sampler_1"] == "READY", states
     assert states["sampler_2"] == "RUNNING"
+    # the detached controller is no child of ours: check by pid that it and its agents go
+    pids = [data["pid"], *(h["agent_pid"] for h in data["hosts"])]
     down = evflow("down", "--session", "det")
     assert down.returncode == 0, down.stderr
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if alive(p)], "controller or agents outlived down"
     found = stats(out)
     sink = found["sink"]["sink"]
     assert sink["received"] == sink["announced"] > 0  # stopped early, nothing lost

@@ -341,3 +341,19 @@ def test_killed_device_is_restarted_and_walked_back_to_running(tmp_path: Path) -
     assert found["sampler_1"]["sampler"]["acked"] == 1
     sink = found["sink"]["sink"]
     assert sink["received"] == sink["announced"] >= 2000
+
+
+def test_an_agent_that_cannot_start_is_one_error_naming_the_host(tmp_path: Path) -> None:
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'python3.11: no evflow on this host' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(f'[hosts]\nh1 = {{ address = "127.0.0.1", python = "{fake}" }}\n')
+    proc = evflow("up", str(EXAMPLES / "fan_in.toml"), "--hosts", str(hosts), "--quiet")
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("evflow: error:")]
+    assert errors == [
+        "evflow: error: host 'h1': the agent exited with code 3 before it reached the control "
+        "bus: python3.11: no evflow on this host"
+    ], proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -372,8 +372,8 @@ class Controller:
 
     def _check_hosts(self, now: float) -> None:
         for name, rec in self.hosts.items():
-            if rec.lost or rec.exited:
-                continue
+            if rec.lost or rec.exited or rec.last_beat_s is None:
+                continue  # an agent not heard yet is _wait_agents' business
             handle = self.handles.get(name)
             code = handle.poll() if handle is not None else None
             silent_s = now - rec.last_beat_s if rec.last_beat_s is not None else 0.0

@@ -68,6 +68,8 @@ class LocalAgent:
         self._reader.join(timeout=2.0)
 
     def error_output(self) -> str:
+        if self.proc.poll() is not None:
+            self._reader.join(timeout=0.5)  # its last lines, not a race with the reader
         return "\n".join(self._tail)
 
 

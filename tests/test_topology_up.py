@@ -357,3 +357,23 @@ def test_an_agent_that_cannot_start_is_one_error_naming_the_host(tmp_path: Path)
         "bus: python3.11: no evflow on this host"
     ], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_device_failing_at_start_up_is_one_error_with_its_own_message(tmp_path: Path) -> None:
+    topo = tmp_path / "t.toml"
+    text = (EXAMPLES / "fan_in.toml").read_text()
+    topo.write_text(text.replace('class = "merger"', 'class = "_topo_devices:FailsInInit"'))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-m", "evflow", "up", str(topo), "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("evflow: error:")]
+    assert len(errors) == 1, proc.stderr
+    assert "device(s) merger lost" in errors[0]
+    assert "calibration file /nonexistent/calib.db not found" in errors[0]

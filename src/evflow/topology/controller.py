@@ -132,6 +132,8 @@ class Controller:
         except Interrupted:
             code = 0 if self.down_requested and not self.signals else 130
         except EvflowError as exc:
+            if self.failure is not None and self.bus is not None:
+                self._collect_errors()  # the failed devices' own words
             self.failure = self.failure or str(exc)
             code = 1
         finally:

@@ -117,3 +117,51 @@ def test_pre_flight_removes_leftovers_of_a_dead_session(tmp_path: Path, _runtime
         assert not stale.exists() and not shm.exists()
     finally:
         shm.unlink(missing_ok=True)
+
+
+def test_commands_to_a_list_of_ids_a_regex_and_quiet_ones(bus: Any) -> None:
+    """``to`` may be a list, ``select`` a regex; ``quiet`` commands run without a REPLY."""
+    from evflow.runtime.bus import BusController
+
+    context, endpoints = bus
+    done: dict[str, list[str]] = {"a1": [], "a2": [], "b1": []}
+    clients = {
+        name: BusClient(context, name, endpoints, on_transition=done[name].append) for name in done
+    }
+    ctl = BusController(context, endpoints, name="ctl")
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            for client in clients.values():
+                client.poll()
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        ctl.connect()
+        header = {"cmd": "transition", "to": ["a1", "b1"], "req": "l1", "from": "ctl"}
+        ctl._pub.send(encode_message(MsgType.COMMAND, {**header, "args": {"transition": "RUN"}}))
+        answered: set[str] = set()
+        deadline = time.monotonic() + 5
+        while answered != {"a1", "b1"} and time.monotonic() < deadline:
+            msg = ctl._recv(0.05)
+            if msg is not None and msg.type is MsgType.REPLY and msg.header["req"] == "l1":
+                answered.add(msg.header["from"])
+        assert answered == {"a1", "b1"}
+        replies = ctl.request("transition", "*", {"transition": "STOP"}, timeout_s=1.0, select="a.")
+        assert sorted(r["from"] for r in replies) == ["a1", "a2"]
+        header = {"cmd": "transition", "to": ["a2"], "req": "q1", "from": "ctl", "quiet": True}
+        ctl._pub.send(encode_message(MsgType.COMMAND, {**header, "args": {"transition": "END"}}))
+        deadline = time.monotonic() + 5
+        while not done["a2"][2:] and time.monotonic() < deadline:
+            msg = ctl._recv(0.05)
+            assert msg is None or msg.type is not MsgType.REPLY or msg.header["req"] != "q1"
+    finally:
+        stop.set()
+        thread.join()
+        ctl.close()
+        for client in clients.values():
+            client.close()
+    assert done == {"a1": ["RUN", "STOP"], "a2": ["STOP", "END"], "b1": ["RUN"]}

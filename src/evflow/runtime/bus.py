@@ -12,6 +12,7 @@ controller to REPLY/STATE/METRICS). Headers (msgpack maps):
 
 - COMMAND ``{cmd, to, req, from, ts, args}``: ``to`` is a node id, a list of ids or
   ``"*"`` (all); an optional ``select`` regular expression must match the whole id;
+  ``quiet: true`` asks for no REPLY (the command is still executed once);
   ``cmd`` is ``check-state``, ``get-metrics``, ``transition`` (``args.transition``) or
   ``ping``.
 - REPLY ``{req, cmd, from, to, ok, data | error}``.

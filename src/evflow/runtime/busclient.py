@@ -249,15 +249,19 @@ class BusClient:
             if not self.addressed(header):
                 continue
             req = str(header.get("req", ""))
+            # "quiet": the sender wants no REPLY (hundreds of devices told one thing)
+            quiet = header.get("quiet") is True
             if req and req in self._answered:
-                self._pub.send(self._answered[req])
+                if not quiet:
+                    self._pub.send(self._answered[req])
                 continue
             reply = encode_message(MsgType.REPLY, self._answer(node, header))
             if req:
                 self._answered[req] = reply
                 while len(self._answered) > 64:
                     self._answered.popitem(last=False)
-            self._pub.send(reply)
+            if not quiet:
+                self._pub.send(reply)
             handled += 1
         self.commands_handled += handled
         return handled

@@ -352,7 +352,7 @@ class Controller(StartupSteps):
                     break
                 if time.monotonic() >= next_send:
                     next_send = time.monotonic() + 0.5
-                    self.bus.tell("transition", alive, {"transition": "END"})
+                    self.bus.tell("transition", alive, {"transition": "END"}, quiet=True)
                 self._tick(0.05)
         live = [h for h, r in self.hosts.items() if not r.lost and not r.exited]
         if live:

@@ -60,9 +60,15 @@ class ControllerBus:
 
     # --- sending -------------------------------------------------------------------
     def send(
-        self, cmd: str, to: str | list[str], args: dict[str, Any] | None = None, req: str = ""
+        self,
+        cmd: str,
+        to: str | list[str],
+        args: dict[str, Any] | None = None,
+        req: str = "",
+        quiet: bool = False,
     ) -> str:
-        """Publish a command; returns its request id (replies collect in ``replies``)."""
+        """Publish a command; returns its request id (replies collect in ``replies``).
+        ``quiet``: the nodes send no REPLY (their STATE messages tell what happened)."""
         req = req or f"{CONTROLLER_ID}-{next(self._seq)}"
         header = {
             "cmd": cmd,
@@ -72,13 +78,21 @@ class ControllerBus:
             "ts": time.time(),
             "args": args or {},
         }
+        if quiet:
+            header["quiet"] = True
         self.replies.setdefault(req, {})
         self._pub.send(encode_message(MsgType.COMMAND, header))
         return req
 
-    def tell(self, cmd: str, to: str | list[str], args: dict[str, Any] | None = None) -> None:
-        """Publish a command whose replies nobody waits for."""
-        self.forget(self.send(cmd, to, args))
+    def tell(
+        self,
+        cmd: str,
+        to: str | list[str],
+        args: dict[str, Any] | None = None,
+        quiet: bool = False,
+    ) -> None:
+        """Publish a command whose replies nobody waits for (``quiet``: none are sent)."""
+        self.forget(self.send(cmd, to, args, quiet=quiet))
 
     def forget(self, req: str) -> None:
         self.replies.pop(req, None)

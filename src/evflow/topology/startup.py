@@ -162,8 +162,7 @@ class StartupSteps:
 
         todo = laggards(goal)
         if todo:
-            req = self.bus.send("transition", todo, {"transition": transition})
-            self.bus.forget(req)
+            self.bus.tell("transition", todo, {"transition": transition}, quiet=True)
         next_send = time.monotonic() + _RESEND_S
         while todo := laggards(goal):
             self._tick(0.02)
@@ -172,7 +171,7 @@ class StartupSteps:
                 next_send = now + _RESEND_S
                 unmoved = laggards(moved_rank)
                 if unmoved:
-                    self.bus.tell("transition", unmoved, {"transition": transition})
+                    self.bus.tell("transition", unmoved, {"transition": transition}, quiet=True)
                 self.bus.tell("check-state", todo)
             if now > deadline:
                 states = ", ".join(f"{d} {self.records[d].state}" for d in todo[:10])
@@ -199,7 +198,7 @@ class StartupSteps:
         targets = [r.id for r in self.records.values() if not r.ended]
         if targets:
             args = {"properties": self.bus.properties}
-            self.bus.tell("set-properties", targets, args)
+            self.bus.tell("set-properties", targets, args, quiet=True)
 
     # --- watching --------------------------------------------------------------------
     def _rewalk(self, now: float) -> None:

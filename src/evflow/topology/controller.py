@@ -72,7 +72,12 @@ class Controller(StartupSteps):
     ) -> None:
         self.topology = topology
         self.session = session
-        self.launcher = get_launcher(launcher)
+        try:
+            self.launcher = get_launcher(launcher)
+        except ImportError as exc:
+            raise ConfigurationError(
+                f"launcher {launcher!r} is not available here ({exc}); use --launcher local"
+            ) from None
         self.local = launcher == "local"
         self.stats_dir = stats_dir
         self.connect_timeout_s = connect_timeout_s

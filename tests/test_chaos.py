@@ -158,8 +158,14 @@ def test_chaos_20000_events_kills_hangs_and_poison_every_uid_exactly_once(
     assert c["workers restarted"] + ended_first == c["workers lost"] >= killer.kills
     pool = killer.pool[next(i for i, k in enumerate(killer.pool) if k) :]  # after start-up
     assert sorted(pool)[len(pool) // 2] == 4, pool  # (a loaded machine may lag a moment)
-    finals = {m.process for m in summary.modules if m.process.startswith("worker")}
+    # (killed workers have rows too, read from shared memory: not those)
+    killed = set(summary.killed_workers)
+    finals = {m.process for m in summary.modules if m.process.startswith("worker")} - killed
     assert len(finals) == 4 - ended_first, finals
+    # every event written went through the worker modules at least once, and the calls
+    # of workers killed since are counted too (read from shared memory)
+    calls = {row.module: row.calls for row in summary.module_totals()}
+    assert calls["hangs"] >= summary.events_written, calls
     assert summary.events_read == n
     assert summary.events_written + summary.events_quarantined == n
     assert c["timeouts"] >= 1 and c["events lost"] == 0

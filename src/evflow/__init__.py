@@ -10,11 +10,17 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from evflow.errors import EvflowError
-from evflow.processing import DataStore, EventMeta, Module, Param, Path, RunMeta, Source
-from evflow.processing.api import process
-from evflow.processing.options import ProcessOptions
-from evflow.processing.summary import RunSummary
+try:
+    from evflow.errors import EvflowError
+    from evflow.processing import DataStore, EventMeta, Module, Param, Path, RunMeta, Source
+    from evflow.processing.api import process
+    from evflow.processing.options import ProcessOptions
+    from evflow.processing.summary import RunSummary
+except KeyboardInterrupt:  # the evflow command, interrupted while it starts: one line
+    from evflow._startup import interrupted_during_import
+
+    interrupted_during_import()
+    raise
 
 if TYPE_CHECKING:
     from evflow.io.generators import ToyGenerator

@@ -44,6 +44,14 @@ class CheckpointError(InputError):
     """A checkpoint file that is corrupt, of an unknown version or of another run."""
 
 
+class NotFoundError(InputError, LookupError):
+    """Something asked for by name or id that is not there (a QC object path, a version)."""
+
+
+class StorageFullError(OutputError):
+    """An output whose disk is full; writing may succeed again once space is freed."""
+
+
 # --- processing ----------------------------------------------------------------------
 class ModuleError(EvflowError):
     """User code raised inside a module hook; carries the module, hook and event uid."""
@@ -129,3 +137,16 @@ def count_interrupts() -> None:
     """
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _counting_int_handler)
+
+
+# --- online quality control ----------------------------------------------------------
+class QcError(EvflowError):
+    """A QC object that cannot be merged or published."""
+
+
+class IncompatibleObjectsError(QcError):
+    """Two QC objects of one name that cannot be merged (type, binning, columns)."""
+
+
+class NotMergeableError(QcError):
+    """A QC object of a kind that has no merge (``+=``) at all."""

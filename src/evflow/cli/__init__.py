@@ -14,7 +14,7 @@ import sys
 from evflow.errors import EvflowError, caused_by_interrupt, count_interrupts
 
 # module names under evflow.cli, each with register(subparsers)
-SUBCOMMANDS = ("run", "demo", "device", "ctl", "up", "agent", "status")
+SUBCOMMANDS = ("run", "demo", "device", "ctl", "qc", "keys", "up", "agent", "status")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     # a Ctrl-C that an extension's import turns into a plain ImportError is still a Ctrl-C
     count_interrupts()
     try:
-        parser = build_parser()  # a Ctrl-C while sub-commands import is a Ctrl-C too
+        parser = build_parser()  # imports every sub-command: a Ctrl-C may come here too
         args = parser.parse_args(argv)
         if not getattr(args, "func", None):
             parser.print_help()

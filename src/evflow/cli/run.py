@@ -3,7 +3,9 @@
 Runs a steering file (plain Python that builds a path and calls ``evflow.process``).
 ``-n``/``-o``/``-p``/``--quiet`` override the file's own ``process()`` options. Exit
 codes: 0 done, 1 an error (one line ``evflow: error: ...``; for an exception in user
-code its traceback is printed once before it), 2 bad command line, 130 interrupted.
+code its traceback is printed once before it), 2 bad command line, 3 events failed in
+a module (parallel: quarantined, unless ``--allow-quarantine``; sequential: the run
+stopped at the first), 130 interrupted (143 for SIGTERM).
 """
 
 from __future__ import annotations
@@ -12,17 +14,48 @@ import argparse
 import sys
 from typing import Any
 
-from evflow.errors import EvflowError
+from evflow.errors import EvflowError, ModuleError
+from evflow.processing.failures import EXIT_EVENTS_FAILED
+
+EPILOG = f"""\
+exit codes: 0 done; 1 an error (one line 'evflow: error: ...'); 2 bad command line;
+{EXIT_EVENTS_FAILED} events failed in a module: a parallel run quarantined events (each
+failing module is named on stderr, even with -q), a sequential run stopped at the
+first; with --allow-quarantine both quarantine them and exit 0; 130 interrupted
+(Ctrl-C); 143 terminated (SIGTERM).
+"""
+
+
+class _RunParser(argparse.ArgumentParser):
+    """Everything after the first ``--`` belongs to the steering file, wherever the
+    options of ``evflow run`` stand (``run steer.py -o X -- --outdir D``): argparse
+    alone fills the positional ARGS at the steering file's name and would refuse the
+    arguments that follow ``--`` after an option."""
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        words = list(sys.argv[1:] if args is None else args)
+        cut = words.index("--") if "--" in words else len(words)
+        tail = words[cut + 1 :]
+        ns, extras = super().parse_known_args(words[:cut], namespace)
+        if ns.steering is None:
+            if not tail:
+                self.error("the following arguments are required: STEERING.py")
+            ns.steering = tail.pop(0)
+        ns.args = [*ns.args, *tail]
+        return ns, extras
 
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "run",
         help="run a steering file",
-        description="Run a steering file: plain Python that builds a path and calls "
+        description="Run a steering file: plain Python that builds a path and calls\n"
         "evflow.process(path). Options given here override the file's own.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("steering", metavar="STEERING.py", help="the steering file")
+    parser.__class__ = _RunParser  # ``--`` splits off the steering file's arguments
+    parser.add_argument("steering", nargs="?", metavar="STEERING.py", help="the steering file")
     parser.add_argument(
         "-n",
         "--max-events",
@@ -47,7 +80,12 @@ def register(subparsers: Any) -> None:
         metavar="N",
         help="run the parallel modules on N worker processes (0: in this process)",
     )
-    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")
+    parser.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="no progress bar and no summary (failed events are still named on stderr)",
+    )
     parser.add_argument(
         "--ordered",
         action="store_true",
@@ -69,6 +107,21 @@ def register(subparsers: Any) -> None:
         "modules must copy arrays they keep after event()); default zmq",
     )
     parser.add_argument(
+        "--event-timeout",
+        type=non_negative_float,
+        default=None,
+        metavar="S",
+        help="parallel runs: kill a worker busy longer than S seconds on one event; the "
+        "event is retried, then quarantined (default: 300; 0: no limit)",
+    )
+    parser.add_argument(
+        "--allow-quarantine",
+        action="store_true",
+        help=f"an event a module raises on is quarantined (written flagged, the run "
+        f"goes on) and the run exits 0 (default: exit code {EXIT_EVENTS_FAILED}; a "
+        f"sequential run stops at the first)",
+    )
+    parser.add_argument(
         "args",
         nargs="*",
         metavar="ARGS",
@@ -84,6 +137,16 @@ def non_negative_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
     return value
 
 
@@ -104,6 +167,10 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
         overrides["resume"] = True
     if getattr(args, "transport", None):
         overrides["transport"] = args.transport
+    if getattr(args, "event_timeout", None) is not None:
+        overrides["event_timeout_s"] = args.event_timeout
+    if getattr(args, "allow_quarantine", False):
+        overrides["allow_quarantine"] = True
     return overrides
 
 
@@ -111,11 +178,33 @@ def handle(args: argparse.Namespace) -> int:
     from evflow.processing.steering import run_steering
 
     try:
-        run_steering(args.steering, overrides_from(args), argv=args.args)
+        summaries = run_steering(args.steering, overrides_from(args), argv=args.args)
+    except ModuleError as exc:
+        show_user_traceback(exc)
+        if exc.hook != "event":
+            raise  # the dispatcher prints the one-line error and returns 1
+        # an event failed: the same exit code as a parallel run that quarantined it
+        _error_line(str(exc))
+        return EXIT_EVENTS_FAILED
     except EvflowError as exc:
         show_user_traceback(exc)
         raise  # the dispatcher prints the one-line error and returns 1
+    failed = [s for s in summaries if s.events_failed]
+    if failed:
+        n = sum(s.events_quarantined for s in failed)
+        _error_line(
+            f"{n} event{'s' if n != 1 else ''} failed and {'were' if n != 1 else 'was'} "
+            f"quarantined (exit code {EXIT_EVENTS_FAILED}; --allow-quarantine accepts "
+            "quarantined events)"
+        )
+        return EXIT_EVENTS_FAILED
     return 0
+
+
+def _error_line(text: str) -> None:
+    message = " ".join(line.strip() for line in text.splitlines() if line.strip())
+    sys.stderr.write(f"evflow: error: {message}\n")
+    sys.stderr.flush()
 
 
 def show_user_traceback(exc: BaseException) -> None:

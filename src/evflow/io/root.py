@@ -219,9 +219,11 @@ class RootOutput(Writer):
     ``OutputError``. With ``meta_branches`` the event meta goes to ``evflow_uid``,
     ``evflow_experiment``, ``evflow_run``, ``evflow_event`` and ``evflow_flags``.
     Jagged branch ``x`` gets a counter branch ``nx``. A run without events leaves a
-    ROOT file without the tree.
+    ROOT file without the tree. Parallel runs write quarantined events (raw, without
+    the objects later modules add) to ``<file>.quarantine.evr`` instead (``columnar``).
     """
 
+    columnar = True
     file = Param(str, doc="ROOT file to create (overwritten if it exists)")
     tree = Param(str, "events", "name of the TTree")
     branches = Param((list, tuple, type(None)), None, "objects to write; None = all numeric")

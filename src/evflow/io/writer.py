@@ -21,7 +21,13 @@ class Writer(Module):
     - ``write_raw(meta, frames)``: an event still in its encoded form (codec frames),
       written without decoding, e.g. a quarantined event that crashed every worker.
     - ``terminate()`` closes the writer, so that a path run closes its files.
+    - ``columnar``: the writer keeps a fixed set of columns taken from the first event
+      (a TTree's branches). A quarantined event is written raw, without what later
+      modules add, so the parallel output sends it to a quarantine record file beside
+      the writer's file (``quarantine_file_for``) instead of to the writer.
     """
+
+    columnar: bool = False
 
     def event(self, store: DataStore) -> bool | None:
         self.write(store)
@@ -47,3 +53,18 @@ class Writer(Module):
 
     def terminate(self) -> None:
         self.close()
+
+
+#: the quarantine record file of a columnar writer: ``<its file>`` + this suffix
+QUARANTINE_SUFFIX = ".quarantine.evr"
+
+
+def quarantine_file_for(writer: object) -> str | None:
+    """Where a parallel run writes the quarantined events ``writer`` cannot hold (it is
+    columnar, or has no ``write_raw``): a record file beside the writer's file; None
+    for a writer that takes them."""
+    no_raw = getattr(type(writer), "write_raw", None) is Writer.write_raw
+    if not (getattr(writer, "columnar", False) or no_raw):
+        return None
+    file = getattr(writer, "file", None)
+    return f"{file}{QUARANTINE_SUFFIX}" if file else None

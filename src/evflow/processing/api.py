@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path as FsPath
 from typing import Any
 
@@ -40,6 +41,8 @@ def process(path: Path, **options: Any) -> RunSummary:
         raise
     if not opts.quiet:
         summary.render()
+    # failed events are never silent, even with quiet: a line per failing module
+    summary.report_failures(sys.stderr)
     if ctx is not None:
         ctx.summaries.append(summary)
     if summary.interrupted and summary.counters.get("signal"):

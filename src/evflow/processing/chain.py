@@ -228,8 +228,17 @@ class ModuleChain:
                 continue
             try:
                 module.terminate()
-            except Exception:
-                log.exception("writer %r failed to close after an error", module.name)
+            except EvflowError as exc:
+                # e.g. the full disk that stopped the run fails the close again: the
+                # run's own error line says it; a traceback here would only bury it
+                log.debug("writer %r failed to close after an error: %s", module.name, exc)
+            except Exception as exc:
+                log.warning(
+                    "writer %r failed to close after an error: %s: %s",
+                    module.name,
+                    type(exc).__name__,
+                    exc,
+                )
 
     def statistics(self) -> list[ModuleStatistics]:
         return self.stats.snapshot()

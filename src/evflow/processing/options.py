@@ -10,6 +10,11 @@ from evflow.errors import ConfigurationError
 
 #: the values of ``ProcessOptions.transport``
 TRANSPORTS = ("zmq", "shm")
+#: parallel runs: seconds a worker may spend on one event when no ``event_timeout_s``
+#: is given. Far above the time per event of reconstruction or selection (ms to s) and
+#: of all but pathological simulated events, so a healthy event is not killed; a hung
+#: one costs at most max_attempts times this, then it is quarantined (exit code 3)
+DEFAULT_EVENT_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,9 +42,14 @@ class ProcessOptions:
     event_buffer: int = 4
     """Parallel: events in flight per worker (its credit)."""
     event_timeout_s: float | None = None
-    """Parallel: a worker busy longer than this on one event is killed (None: no limit)."""
+    """Parallel: a worker busy longer than this on one event is killed and the event
+    retried (then quarantined). None: ``DEFAULT_EVENT_TIMEOUT_S``; 0: no limit."""
     max_attempts: int = 3
     """Parallel: failed attempts before an event is written raw and flagged quarantined."""
+    allow_quarantine: bool = False
+    """Quarantined events are acceptable: ``evflow run`` then exits 0 with them (default:
+    exit code 3, ``EXIT_EVENTS_FAILED``), and a sequential run quarantines an event a
+    module raises on and goes on instead of stopping (processing/quarantine.py)."""
     resume: bool = False
     """Parallel: continue a stopped run from its output file (skip uids already written)."""
     transport: str = "zmq"
@@ -62,11 +72,14 @@ class ProcessOptions:
             # accept pathlib paths: convert instead of refusing
             object.__setattr__(self, "output", str(self.output))
         if self.event_timeout_s is not None and (
-            not isinstance(self.event_timeout_s, int | float) or self.event_timeout_s <= 0
+            isinstance(self.event_timeout_s, bool)
+            or not isinstance(self.event_timeout_s, int | float)
+            or not self.event_timeout_s >= 0
+            or self.event_timeout_s == float("inf")
         ):
             raise ConfigurationError(
-                f"option event_timeout_s must be a positive number of seconds or None, "
-                f"got {self.event_timeout_s!r}"
+                f"option event_timeout_s must be a number of seconds >= 0 (0: no limit) or "
+                f"None (default {DEFAULT_EVENT_TIMEOUT_S:g} s), got {self.event_timeout_s!r}"
             )
         if not isinstance(self.progress_interval_s, int | float) or self.progress_interval_s <= 0:
             raise ConfigurationError(
@@ -92,6 +105,12 @@ class ProcessOptions:
     def replace(self, **changes: Any) -> ProcessOptions:
         """A copy with ``changes`` applied (validated like the constructor)."""
         return dataclasses.replace(self, **changes)
+
+    def effective_event_timeout_s(self) -> float | None:
+        """The event timeout a parallel run applies: None for no limit."""
+        if self.event_timeout_s is None:
+            return DEFAULT_EVENT_TIMEOUT_S
+        return float(self.event_timeout_s) or None
 
     def show_progress(self, is_tty: bool) -> bool:
         """Whether to draw the progress bar on a stream that is (or is not) a terminal."""

@@ -8,6 +8,8 @@ the writers are terminated, so everything written so far stays readable.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import sys
 import threading
@@ -18,8 +20,10 @@ from typing import Any
 from evflow.errors import ConfigurationError, EvflowError, ModuleError
 from evflow.monitor.console import ConsoleProgress, is_terminal
 from evflow.processing.chain import ModuleChain, output_files, user_traceback
+from evflow.processing.failures import groups_from
 from evflow.processing.options import ProcessOptions
 from evflow.processing.path import Path
+from evflow.processing.quarantine import MAX_QUARANTINED, SequentialQuarantine
 from evflow.processing.summary import RunSummary
 
 _clock = time.perf_counter
@@ -46,31 +50,47 @@ def run_sequential(path: Path, options: ProcessOptions | None = None) -> RunSumm
     )
     read = written = 0
     start = time.monotonic()
+    quarantine = None
+    if options.allow_quarantine:  # a failing event is quarantined, the run goes on
+        limit = int((options.extra or {}).get("max_quarantined", MAX_QUARANTINED))
+        quarantine = SequentialQuarantine(chain, limit)
     with StopSignals() as stop:
         try:
             chain.initialize()
             progress.start()
-            read, written = _event_loop(chain, source, options.max_events, progress, stop)
+            read, written = _event_loop(
+                chain, source, options.max_events, progress, stop, quarantine
+            )
             chain.end_run()
             progress.stop(read)
             chain.terminate()
+            if quarantine is not None:
+                quarantine.close()
         except BaseException:  # a second Ctrl-C too: close the writers, then stop
             progress.stop()
             chain.abort()
+            if quarantine is not None:
+                quarantine.abort()
             raise
     wall_s = time.monotonic() - start
     stats = chain.statistics()
+    q = quarantine
     return RunSummary(
         events_read=read,
         events_written=written,
         events_dropped=sum(s.dropped for s in stats),
+        events_quarantined=len(q.reasons) if q is not None else 0,
         wall_s=wall_s,
         workers=0,
         modules=tuple(stats),
         persistent=chain.persistent,
-        outputs=tuple(output_files(chain.modules)),
+        outputs=tuple(output_files(chain.modules)) + (q.files if q is not None else ()),
         interrupted=bool(stop.signum),
         counters={"signal": stop.signum} if stop.signum else {},
+        quarantined=tuple(q.reasons) if q is not None else (),
+        failures=groups_from(q.log.as_list()) if q is not None else (),
+        quarantine_files=q.files if q is not None else (),
+        allow_quarantine=options.allow_quarantine,
     )
 
 
@@ -80,6 +100,7 @@ def _event_loop(
     max_events: int | None,
     progress: ConsoleProgress,
     stop: StopSignals,
+    quarantine: SequentialQuarantine | None = None,
 ) -> tuple[int, int]:
     """The hot loop: per event one source step, the modules, and a clock comparison."""
     read = written = 0
@@ -105,8 +126,13 @@ def _event_loop(
             if current is None or (meta.experiment, meta.run) != current:
                 current = (meta.experiment, meta.run)
                 chain.switch_run(*current)
-            if chain.event(store):
-                written += 1
+            try:
+                if chain.event(store):
+                    written += 1
+            except ModuleError as exc:
+                if quarantine is None or exc.hook != "event":
+                    raise
+                quarantine.put(store, exc)  # allow_quarantine: written flagged, go on
             if stop.signum:
                 break  # SIGINT/SIGTERM: this event is done; end the run cleanly
             if next_due != float("inf"):
@@ -142,6 +168,15 @@ class StopSignals:
         if self.signum:
             raise_for_signal(signum)
         self.signum = signum
+        # say it at once: an event that hangs would otherwise look like an ignored Ctrl-C
+        # (os.write: a signal handler must not re-enter a buffered stream)
+        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        with contextlib.suppress(OSError):
+            os.write(
+                2,
+                f"evflow: stopping ({what}): the current event finishes, then the run "
+                "ends and its files are closed (Ctrl-C again: stop now)\n".encode(),
+            )
 
     def __exit__(
         self,

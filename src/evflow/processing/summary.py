@@ -8,7 +8,12 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from evflow.monitor.console import is_terminal
+from evflow.processing.failures import FailureGroup, report_failures
 from evflow.processing.statistics import ModuleStatistics, merge_statistics, processes_of
+
+#: more processes than this: the per-process columns of the module table are folded
+#: (processes, fewest and most calls), or 1000 workers print a table 1000 columns wide
+MAX_PROCESS_COLUMNS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +42,27 @@ class RunSummary:
     interrupted: bool = False
     quarantined: tuple[tuple[int, str], ...] = ()
     """(uid, reasons) of every quarantined event (parallel runs; reliability)."""
+    failures: tuple[FailureGroup, ...] = ()
+    """Module exceptions of a parallel run, one group per module and exception type
+    (retried or quarantined); ``report_failures()`` shows them."""
+    quarantine_files: tuple[str, ...] = ()
+    """Record files the quarantined events went to beside a columnar (ROOT) output."""
+    killed_workers: tuple[str, ...] = ()
+    """Workers killed before they reported: their ``modules`` rows were read from
+    shared memory and count up to their last finished batch."""
+    allow_quarantine: bool = False
+    """The run was told quarantined events are acceptable (``--allow-quarantine``)."""
+
+    @property
+    def events_failed(self) -> bool:
+        """Events were quarantined and the run was not told to accept it: ``evflow run``
+        exits with ``EXIT_EVENTS_FAILED``."""
+        return bool(self.events_quarantined) and not self.allow_quarantine
+
+    def report_failures(self, file: IO[str] | None = None) -> None:
+        """One line per failing module (after its first traceback) on ``file`` (stderr)."""
+        if self.failures or self.quarantined:
+            report_failures(self.failures, self.quarantined, file or sys.stderr)
 
     @property
     def rate_hz(self) -> float:
@@ -87,16 +113,38 @@ class RunSummary:
             text += f"\n  quarantined uid {uid}: {reason}"
         if len(self.quarantined) > 20:
             text += f"\n  ... and {len(self.quarantined) - 20} more quarantined"
+        for file in self.quarantine_files:
+            text += f"\n  quarantined events written to {file}"
         return text
 
     def _table(self) -> Any:
         from rich.table import Table
 
         processes = processes_of(self.modules)
-        per_process = len(processes) > 1
-        caption = "per-process columns: calls" if per_process else None
+        per_process = 1 < len(processes) <= MAX_PROCESS_COLUMNS
+        folded = len(processes) > MAX_PROCESS_COLUMNS
+        notes = []
+        if per_process:
+            notes.append("per-process columns: calls")
+        if folded:
+            notes.append(
+                f"{len(processes)} processes: per-process columns folded into the "
+                "processes a module ran in and its fewest and most calls in one of them"
+            )
+        if self.killed_workers:
+            killed = list(self.killed_workers)
+            names = ", ".join(killed[:MAX_PROCESS_COLUMNS])
+            if len(killed) > MAX_PROCESS_COLUMNS:
+                names += f" and {len(killed) - MAX_PROCESS_COLUMNS} more"
+            notes.append(
+                f"killed before they reported: {names} (their calls count up to their "
+                "last finished batch)"
+            )
         table = Table(
-            title="Module statistics", title_justify="left", caption=caption, caption_justify="left"
+            title="Module statistics",
+            title_justify="left",
+            caption="\n".join(notes) or None,
+            caption_justify="left",
         )
         table.add_column("Module", no_wrap=True)
         table.add_column("Calls", justify="right", no_wrap=True)
@@ -104,9 +152,15 @@ class RunSummary:
         table.add_column("Time (s)", justify="right", no_wrap=True)
         table.add_column("Time/call (ms)", justify="right", no_wrap=True)
         table.add_column("Share", justify="right", no_wrap=True)
+        extra_columns = 0
         if per_process:
             for proc in processes:
                 table.add_column(proc, justify="right", no_wrap=True)
+            extra_columns = len(processes)
+        if folded:
+            for title in ("Processes", "Min calls", "Max calls"):
+                table.add_column(title, justify="right", no_wrap=True)
+            extra_columns = 3
         totals = self.module_totals()
         grand_s = sum(row.time_s for row in totals) or 1.0
         by_key = {(row.module, row.process): row for row in self.modules}
@@ -123,6 +177,9 @@ class RunSummary:
                 for proc in processes:
                     one = by_key.get((row.module, proc))
                     cells.append(f"{one.calls:,}" if one else "")
+            if folded:
+                calls = [r.calls for r in self.modules if r.module == row.module]
+                cells += [f"{len(calls):,}", f"{min(calls):,}", f"{max(calls):,}"]
             table.add_row(*cells)
         table.add_section()
         table.add_row(
@@ -132,6 +189,6 @@ class RunSummary:
             f"{sum(r.time_s for r in totals):.3f}",
             "",
             "",
-            *([""] * len(processes) if per_process else []),
+            *([""] * extra_columns),
         )
         return table

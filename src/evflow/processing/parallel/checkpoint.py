@@ -181,15 +181,20 @@ class CheckpointWriter:
         run_id: str,
         interval_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        first_interval_s: float | None = None,
+        start_position: int | None = None,
     ) -> None:
         if not interval_s > 0:
             raise ConfigurationError(f"checkpoint interval_s must be > 0, got {interval_s}")
         self.file = file
         self.run_id = run_id
         self.interval_s = interval_s
+        # a restarted input checkpoints as soon as it got past where it started
+        # (first_interval_s), or repeated input kills redo the same work
+        self.first_interval_s = interval_s if first_interval_s is None else first_interval_s
         self._clock = clock
-        self._next_s = clock() + interval_s
-        self._last_position: int | None = None
+        self._next_s = clock() + self.first_interval_s
+        self._last_position: int | None = start_position
         self.writes = 0
 
     def due(self) -> bool:
@@ -205,9 +210,10 @@ class CheckpointWriter:
         now = self._clock()
         if now < self._next_s:
             return False
-        self._next_s = now + self.interval_s
         if position == self._last_position:
+            self._next_s = now + (self.interval_s if self.writes else self.first_interval_s)
             return False
+        self._next_s = now + self.interval_s
         self.write_now(position, counts)
         return True
 

@@ -32,10 +32,13 @@ from evflow import errors
 from evflow.errors import ConfigurationError, EvflowError, ModuleError, PeerLostError
 from evflow.monitor.console import is_terminal
 from evflow.processing.chain import output_files
+from evflow.processing.failures import groups_from
 from evflow.processing.options import ProcessOptions
-from evflow.processing.parallel import checkpoint, scoreboard, state
+from evflow.processing.parallel import checkpoint, scoreboard, state, statsboard
 from evflow.processing.parallel.common import channel
 from evflow.processing.parallel.input import input_main
+from evflow.processing.parallel.notices import say as _say
+from evflow.processing.parallel.notices import stopping_line, warn_many_workers
 from evflow.processing.parallel.output import output_main
 from evflow.processing.parallel.persist import decode_persistent
 from evflow.processing.parallel.restarts import RestartPolicy, output_restart_refusal
@@ -54,6 +57,10 @@ from evflow.wire.messages import BadMessageCounter, MsgType, encode_message
 WORKER_EXIT_GRACE_S = 5.0
 #: after an error or a second interrupt, roles get this long to close files (s)
 ABORT_GRACE_S = 5.0
+#: after the first interrupt, events in flight get this long to finish before the run
+#: stops as after a second one (a hung event must not hold the shutdown; option
+#: ``extra={"stop_grace_s": s}``)
+STOP_GRACE_S = 30.0
 
 
 def describe_exit(code: int) -> str:
@@ -82,7 +89,7 @@ class Parent:
             "ordered": options.ordered,
             "reorder_window": int(extra.get("reorder_window", 8192)),
             "max_attempts": options.max_attempts,
-            "event_timeout_s": options.event_timeout_s,
+            "event_timeout_s": options.effective_event_timeout_s(),
             # reliability: a module exception fails its event ("retry") or the run ("stop")
             "on_event_error": str(extra.get("on_event_error", "retry")),
             "max_quarantined": int(extra.get("max_quarantined", 1000)),
@@ -116,6 +123,8 @@ class Parent:
         self.error: EvflowError | None = None
         self.signals: list[int] = []
         self.stop_sent = False
+        self.stop_grace_s = float(extra.get("stop_grace_s", STOP_GRACE_S))
+        self.stop_deadline = 0.0  # monotonic time the first interrupt's grace ends
         self.hard = False
         self.aborting_at = 0.0
         self.restarts = 0
@@ -126,13 +135,20 @@ class Parent:
         self.worker_hellos = 0
         self.all_ready_at = 0.0
         self.bad = BadMessageCounter("parallel parent")
+        self.slot_stats: dict[str, list[ModuleStatistics]] = {}  # exited workers' rows
 
     # --- life cycle ---------------------------------------------------------------------
     def run(self) -> RunSummary:
+        warn_many_workers(self.n_workers)
         state.set_current(self.split)
         # exact blame: one slot per worker index, shared with every fork of the zygote
         self.board = scoreboard.Scoreboard(self.n_workers)
         scoreboard.install(self.board)
+        # module statistics of workers that die without a RESULT (statsboard.py)
+        self.stats_board = statsboard.StatsBoard(
+            self.n_workers, [m.name for m in self.split.worker]
+        )
+        statsboard.install(self.stats_board)
         restore = self._install_signals()
         remove_stale_sessions()  # left by runs killed with kill -9 (their owner is gone)
         _preload(self.split)
@@ -179,6 +195,8 @@ class Parent:
             state.set_current(None)
             scoreboard.install(None)
             self.board.close()
+            statsboard.install(None)
+            self.stats_board.close()
             restore()
         if self.error is not None:
             raise self.error
@@ -217,6 +235,9 @@ class Parent:
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
         old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        # never over an ignored signal: a run started in the background (nohup, `&` in a
+        # non-interactive shell) must not stop on the terminal's Ctrl-C
+        old = {s: h for s, h in old.items() if h is not signal.SIG_IGN}
         for s in old:
             signal.signal(s, self._on_signal)
 
@@ -317,6 +338,9 @@ class Parent:
 
     def _exited(self, pid: int, code: int) -> None:
         name = self.pids.pop(pid, None)
+        if name is not None and name.startswith("worker") and code != 0:
+            # what it did up to its last finished batch, if no RESULT comes (killed)
+            self.slot_stats[name] = self.stats_board.read(scoreboard.slot_of(name), name)
         if name is None or code == 0 or self.aborting_at:
             return
         if code == EXIT_RECYCLE and name.startswith("worker") and not self.hard:
@@ -432,7 +456,12 @@ class Parent:
             if name.startswith("worker"):
                 with contextlib.suppress(EvflowError):
                     self.zygote.kill(pid, signal.SIGKILL)
-        options = {**self.role_options, "start_position": start, "start_seq": seq}
+        options = {
+            **self.role_options,
+            "start_position": start,
+            "start_seq": seq,
+            "input_restart": True,  # checkpoint soon: repeated kills must not redo work
+        }
         self.pids[self.zygote.spawn(input_main, self.session, options, name="input")] = "input"
         self._send("output", MsgType.HELLO)  # the output introduces itself to the new input
         return True
@@ -460,16 +489,40 @@ class Parent:
         if not self.stop_sent:
             self.stop_sent = True
             self._send("input", MsgType.STOP)
-        if len(self.signals) >= 2 and not self.hard:
+        now = time.monotonic()
+        if not self.stop_deadline:
+            self.stop_deadline = now + self.stop_grace_s
+            self._say_stopping()
+        if self.hard:
+            return
+        if len(self.signals) >= 2:
             self.hard = True
+            _say("evflow: stopping now: workers killed, files closed")
             self._abort()
+        elif now > self.stop_deadline and not self.error:
+            self.hard = True
+            _say(
+                f"evflow: the events in flight did not finish within {self.stop_grace_s:g} s; "
+                "stopping now: workers killed, files closed"
+            )
+            self._abort()
+
+    def _say_stopping(self) -> None:
+        """The first interrupt: say what the shutdown waits for, and for how long."""
+        busy = sum(1 for i in range(self.n_workers) if self.board.read(i).state == scoreboard.BUSY)
+        _say(stopping_line(self.signals[0], self.stop_grace_s, busy))
 
     # --- the summary ----------------------------------------------------------------------
     def _summary(self, wall_s: float) -> RunSummary:
         inp = self.results.get("input", ({}, []))[0]
         out_header, out_payload = self.results.get("output", ({}, []))
         rows: list[ModuleStatistics] = []
-        for role in sorted(self.results, key=_role_order):
+        # workers killed before their RESULT: their rows from the stats board
+        killed = {n: r for n, r in self.slot_stats.items() if n not in self.results and r}
+        for role in sorted([*self.results, *killed], key=_role_order):
+            if role in killed:
+                rows.extend(killed[role])
+                continue
             for d in self.results[role][0].get("stats", []):
                 rows.append(ModuleStatistics.from_dict(d))
         persistent: dict[str, Any] = {}
@@ -544,11 +597,16 @@ class Parent:
             modules=tuple(rows),
             persistent=persistent,
             counters=counters,
-            outputs=tuple(output_files(self.split.output)),
+            outputs=tuple(output_files(self.split.output))
+            + tuple(str(f) for f in out_header.get("quarantine_files", [])),
             interrupted=bool(self.signals),
+            killed_workers=tuple(sorted(killed, key=_role_order)),
             quarantined=tuple(
                 (int(u), str(r)) for u, r in out_header.get("quarantine_reasons", [])
             ),
+            failures=groups_from(inp.get("failures")),
+            quarantine_files=tuple(str(f) for f in out_header.get("quarantine_files", [])),
+            allow_quarantine=self.options.allow_quarantine,
         )
 
 

@@ -31,6 +31,7 @@ import zmq
 from evflow.errors import EvflowError, ModuleError, PeerLostError, ProtocolError
 from evflow.processing.chain import ModuleChain, user_traceback
 from evflow.processing.datastore import DataStore
+from evflow.processing.failures import FailureLog
 from evflow.processing.module import Source
 from evflow.processing.parallel.batching import (
     SHM_TARGET_BATCH_B,
@@ -59,8 +60,12 @@ from evflow.wire.messages import (
     encode_message,
 )
 
-#: with event_timeout_s, the input looks for workers without progress this often (ms)
+#: with event_timeout_s, the input looks for workers without progress this often (ms):
+#: a hundredth of the timeout, from TIMEOUT_CHECK_MS up to IDLE_WAIT_MS (the default
+#: timeout of minutes must not wake an idle input 20 times a second)
 TIMEOUT_CHECK_MS = 50
+#: a restarted input checks this often for its first progress to checkpoint (s)
+RESTART_CHECKPOINT_S = 0.1
 RECYCLED = Failure("recycled", "worker ended early (worker_memory_limit_mb)")
 
 
@@ -145,6 +150,9 @@ class _Input:
                 CheckpointFile(str(options["checkpoint"])),
                 run_id=os.path.basename(str(options["checkpoint"])),
                 interval_s=float(options.get("checkpoint_interval_s") or 2.0),
+                # restarted: checkpoint at the first progress, not a whole interval later
+                first_interval_s=RESTART_CHECKPOINT_S if options.get("input_restart") else None,
+                start_position=self.start_position if options.get("input_restart") else None,
             )
             self.checkpoint.file.remove_stale_temps()
         self.resend: collections.deque[LedgerEntry] = collections.deque()
@@ -154,10 +162,13 @@ class _Input:
         # replacements on their way, recycled workers whose results are due (roster.py)
         self.roster = Roster()
         self.next_check_s = 0.0
+        timeout_s = self.ledger.event_timeout_s or 0.0
+        self.check_ms = int(min(IDLE_WAIT_MS, max(TIMEOUT_CHECK_MS, timeout_s * 10)))
         self.quarantined = 0
         self.on_event_error = str(options.get("on_event_error") or "retry")
         self.max_quarantined = int(options.get("max_quarantined") or 1000)
         self.last_error: ModuleError | None = None
+        self.failure_log = FailureLog()  # module exceptions, grouped for the user
         self.unsent_quarantine: list[LedgerEntry] = []
         self.end_for_output: list[Any] | None = None
         self.next_bid = 0
@@ -211,7 +222,7 @@ class _Input:
                     else:
                         self._drain(sock, handler)
                 if self.abort:
-                    return 1
+                    break  # killed (a second Ctrl-C): still report what was read
                 if busy:
                     self._feed()
                 if self.ledger.event_timeout_s is not None:
@@ -225,7 +236,7 @@ class _Input:
                     self.back.send_multipart([self.output_id, *encode_message(MsgType.DRAIN)])
                 self._maybe_end()
                 bus.tick()  # time-gated: the control bus (rolebus.py)
-            if self.checkpoint is not None:  # everything confirmed: where a resume starts
+            if self.checkpoint is not None and not self.abort:  # all confirmed: resume here
                 self.checkpoint.write_now(*self._checkpoint_point())
         finally:
             close = getattr(self.it, "close", None)
@@ -248,10 +259,13 @@ class _Input:
             "shm_events": self.shm.events if self.shm is not None else 0,
             "cpu_s": time.process_time(),
             "ledger": _ledger_counts(self.ledger),
+            "failures": self.failure_log.as_list(),
         }
+        if self.abort:
+            result["aborted"] = True
         self.ctl.send_multipart(encode_message(MsgType.RESULT, result))
         self.ctl.linger = 2000
-        return 0
+        return 1 if self.abort else 0
 
     def bus_counters(self) -> dict[str, Any]:
         """The input's counters for the control bus (rolebus.py), at most per tick."""
@@ -442,6 +456,9 @@ class _Input:
         if self.on_event_error == "stop":
             raise error
         self.last_error = error
+        self.failure_log.add(
+            error.module, str(f["cause"]), str(f["text"]), uid, str(f.get("tb", ""))
+        )
         entry = self.ledger.fail(uid, Failure.exception(f"{error} (in {worker})"))
         if entry is None:
             return
@@ -482,11 +499,12 @@ class _Input:
     def _idle_ms(self) -> int:
         """How long the loop may sleep with nothing to send: every wake-up costs the
         busy workers CPU, so only as often as a timeout check or checkpoint needs."""
-        if self.ledger.event_timeout_s is not None or self.roster.leavers:
+        if self.roster.leavers:
             return TIMEOUT_CHECK_MS
+        wait = self.check_ms if self.ledger.event_timeout_s is not None else IDLE_WAIT_MS
         if self.checkpoint is not None:
-            return max(1, wait_ms(self.checkpoint.due_in_s()))
-        return IDLE_WAIT_MS
+            return max(1, min(wait, wait_ms(self.checkpoint.due_in_s())))
+        return wait
 
     def _check_leavers(self) -> None:
         for name in self.roster.overdue(time.monotonic(), self.ledger.in_flight):
@@ -497,7 +515,7 @@ class _Input:
         now = time.monotonic()
         if now < self.next_check_s:
             return
-        self.next_check_s = now + TIMEOUT_CHECK_MS / 1000
+        self.next_check_s = now + self.check_ms / 1000
         for entry in self.ledger.expired(now):
             if entry.worker not in self.timeouts_asked:
                 self.timeouts_asked.add(entry.worker)

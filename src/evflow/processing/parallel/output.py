@@ -14,6 +14,7 @@ and kept on disk for a restarted output (fills.py).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -72,9 +73,37 @@ def output_main(session: str, options: dict[str, Any]) -> int:
 
     def close_writers() -> None:
         for role in roles:
-            role.chain.abort()  # writers closed: what was written stays readable
+            role.close_files()
 
     return run_role("output", session, body, close_writers)
+
+
+def quarantine_writers(writers: list[Any], file: str | None) -> tuple[list[Any], list[Any]]:
+    """The writers quarantined events go to, and those of them to add to the output.
+
+    ``file`` (option ``quarantine_file``): one record file for all of them. Otherwise
+    every writer that can hold a raw event takes it, and a columnar writer (a ROOT
+    TTree, whose entries need every branch of the first event) gets a record file
+    beside its own (``quarantine_file_for``): a quarantined event never breaks a writer.
+    The record files open on their first event: a run without any leaves none.
+    """
+    from evflow.io.records import RecordOutput
+    from evflow.io.writer import quarantine_file_for
+
+    if file:
+        quarantine = RecordOutput(name="quarantine", file=str(file))
+        return [quarantine], [quarantine]
+    raw: list[Any] = []
+    extra: list[Any] = []
+    for w in writers:
+        beside = quarantine_file_for(w)
+        if beside is None:
+            raw.append(w)
+            continue
+        quarantine = RecordOutput(name=f"{w.name}.quarantine", file=beside)
+        raw.append(quarantine)
+        extra.append(quarantine)
+    return raw, extra
 
 
 class _Output:
@@ -93,13 +122,10 @@ class _Output:
         self.chain = ModuleChain(current_split().output, process="output")
         self.writers = self.chain.writers()
         self.no_modules = not self.chain.modules
-        self.raw_writers = self.writers  # where quarantined events go (raw)
-        if options.get("quarantine_file"):  # reliability: a separate file, if asked for
-            from evflow.io.records import RecordOutput
-
-            quarantine = RecordOutput(name="quarantine", file=str(options["quarantine_file"]))
-            self.raw_writers = [quarantine]
-            self.writers = [*self.writers, quarantine]  # flushed before every confirm
+        # where quarantined events go (raw): see quarantine_writers()
+        self.raw_writers, extra = quarantine_writers(self.writers, options.get("quarantine_file"))
+        self.writers = [*self.writers, *extra]  # flushed before every confirm
+        self.quarantine_files = [w.file for w in extra]
         self.seen = WrittenUids()
         self.shm = ShmViews(session)  # transport shm: the input's arena, mapped on first use
         in_file: set[int] | None = None
@@ -145,6 +171,15 @@ class _Output:
     def on_term(self, signum: int, frame: Any) -> None:
         self.abort = True
 
+    def close_files(self) -> None:
+        """Terminate the writers and close the quarantine files: what was written stays
+        readable (an aborted run)."""
+        self.chain.abort()
+        for w in self.raw_writers:
+            if w not in self.chain.modules:
+                with contextlib.suppress(Exception):
+                    w.close()
+
     # --- main loop ----------------------------------------------------------------------
     def run(self, bus: RoleBus) -> int:
         self.chain.initialize()
@@ -168,7 +203,7 @@ class _Output:
             bus.tick(now)  # time-gated: the control bus (rolebus.py)
             if self.abort:
                 self.progress.stop(self.events_done)
-                self.chain.abort()  # terminate the writers: files closed, readable
+                self.close_files()
                 self._report(aborted=True)
                 return 0
             if self.pending and (self.pending_n >= CONFIRM_EVENTS or self._confirm_wait_ms() == 0):
@@ -428,6 +463,7 @@ class _Output:
             "already_written": self.seen.already_written,
             "quarantined": self.quarantined,
             "quarantine_reasons": [[u, r] for u, r in self.quarantine_reasons.items()],
+            "quarantine_files": self.quarantine_files if self.quarantined else [],
             "aborted": aborted,
             "missing_results": missing or [],
             "skipped": [*skipped, *self.fills.not_merged()],

@@ -43,6 +43,8 @@ from evflow.processing.parallel.lazystore import ReceivedBatch
 from evflow.processing.parallel.persist import encode_persistent
 from evflow.processing.parallel.scoreboard import current as current_scoreboard
 from evflow.processing.parallel.scoreboard import slot_of
+from evflow.processing.parallel.statsboard import StatsBoard
+from evflow.processing.parallel.statsboard import current as current_stats_board
 from evflow.transport.shm import ShmViews
 from evflow.wire.codec import encode_event
 from evflow.wire.messages import BadMessageCounter, MsgType, encode_message, hello_header
@@ -71,6 +73,9 @@ def worker_main(session: str, name: str, event_buffer: int, memory_limit_mb: flo
 
 
 class _Worker:
+    #: module statistics per batch in shared memory (statsboard.py); None: not kept
+    stats_board: StatsBoard | None = None
+
     def __init__(
         self,
         ctx: zmq.Context[Any],
@@ -110,6 +115,10 @@ class _Worker:
             self.board = None
         if self.board is not None:
             self.board.clear(self.slot)
+        # module statistics per batch in shared memory: a killed worker's calls count
+        self.stats_board = current_stats_board() if self.board is not None else None
+        if self.stats_board is not None:
+            self.stats_board.clear(self.slot)
 
     def run(self, bus: RoleBus) -> int:
         hello = hello_header(pid=os.getpid(), name=self.name)
@@ -197,6 +206,8 @@ class _Worker:
                     errors += chain.event_batch(stores, kept_mask, i, i + 1)
                 finally:
                     board.clear(slot)
+        if self.stats_board is not None:
+            self.stats_board.store(slot, chain.stats)
         failed = [_failure(i, exc) for i, exc in errors]  # these failed, not the worker
         changed = batch.changed(stores, kept_mask)
         n_kept = kept_mask.count(1)

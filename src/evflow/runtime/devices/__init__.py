@@ -14,6 +14,8 @@ BUILTIN_DEVICES: dict[str, str] = {
     "splitter": "evflow.runtime.devices.forward:Splitter",
     "merger": "evflow.runtime.devices.forward:Merger",
     "proxy": "evflow.runtime.devices.forward:Proxy",
+    "qc-merger": "evflow.qc.merger:QcMerger",
+    "qc-producer": "evflow.qc.producer_device:QcProducer",
 }
 
 __all__ = ["BUILTIN_DEVICES"]

@@ -1,0 +1,465 @@
+"""What a QC merger holds: merged objects per task, exactly once, and what to publish.
+
+``MergeState`` is the merger's logic without sockets, so that it can be tested and
+checkpointed on its own:
+
+- ``accept(header, payload)`` takes one producer message (a delta, or the full objects
+  of a producer), checks it (run, format, binning) and merges it unless its
+  ``(source, seq)`` was merged before (dedup: ``upto`` plus a bounded set above it);
+- ``accept_publication(source, pub)`` takes a lower-layer merger's published integral
+  (full-object mode: the latest per source and object is kept and summed);
+- ``publish()`` closes a merger cycle: the integral per object (and the moving window
+  of the last k cycles, if asked), with the completeness record;
+- ``to_bytes()`` / ``from_bytes()``: the checkpoint a restarted merger resumes from.
+
+Deltas merge through the parallel engine's ``DeltaMerger`` (raw bin arrays added in
+place); the other kinds (record batches, whole objects) through ``objects.merge``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+import msgpack
+
+from evflow.errors import CodecError, IncompatibleObjectsError, NotMergeableError
+from evflow.processing.parallel.deltas import DeltaMerger
+from evflow.qc.checkpoint import restore_state, state_to_bytes
+from evflow.qc.objects import check_compatible, copy_object, decode_object, describe, merge
+from evflow.qc.publication import PublishedObject, qc_path
+from evflow.qc.sources import SourceState, check_header, completeness_record, split_payload
+from evflow.qc.stacked import PlanIndex, StackPlan, plan_frames
+
+#: merged sequence numbers kept above a source's contiguous ``upto`` (out-of-order re-sends)
+MAX_SEQ_GAP = 4096
+_NO_OBJECTS = msgpack.packb([])
+
+
+class TaskState:
+    """The objects of one task: integral, this cycle's part (for the window), latest full."""
+
+    def __init__(self, window_cycles: int) -> None:
+        self.integral = DeltaMerger()
+        self.integral_events = 0
+        self.window_cycles = window_cycles
+        self.cycle = DeltaMerger() if window_cycles else None
+        self.cycle_events = 0
+        self.window: deque[tuple[dict[str, Any], int]] = deque(maxlen=max(window_cycles, 1))
+        # full-object mode: source -> (events, name -> object)
+        self.latest: dict[str, tuple[int, dict[str, Any]]] = {}
+        self.latest_seq: dict[str, int] = {}
+        # name -> (spec, id of the merged object) of the last delta found compatible
+        self.checked: dict[str, tuple[bytes, int]] = {}
+        # delta head -> its stacked plan (the fast path of batched histogram deltas)
+        self.plans = PlanIndex()
+
+    def targets(self) -> list[DeltaMerger]:
+        return [self.integral] if self.cycle is None else [self.integral, self.cycle]
+
+    def flush(self) -> None:
+        """Add what the stacked plans hold into the merged objects."""
+        targets = self.targets()
+        for plan in self.plans.plans():
+            plan.flush(targets, "a producer")
+
+    def names(self) -> list[str]:
+        names = dict.fromkeys(self.integral.merged)
+        for _, objs in self.latest.values():
+            names.update(dict.fromkeys(objs))
+        return list(names)
+
+
+def _merge_into(target: dict[str, Any], name: str, obj: Any, source: str) -> None:
+    if name in target:
+        target[name] = merge(target[name], obj, name, ("merged", source))
+    else:
+        target[name] = copy_object(obj)
+
+
+class MergeState:
+    """Merged objects of every task, the sources' dedup records, counters; see module doc."""
+
+    def __init__(
+        self,
+        merger_id: str,
+        run: int = -1,
+        expected: list[str] | int = 0,
+        window_cycles: int = 0,
+        reset_every: int = 0,
+        max_sources: int = 10_000,
+    ) -> None:
+        self.merger_id = merger_id
+        self.run = run  # -1: the first producer's run
+        self.expected = expected
+        self.window_cycles = window_cycles
+        self.reset_every = reset_every
+        self.max_sources = max_sources
+        self.cycle = 0  # merger cycles published
+        self.sequence = 0  # publications (one per cycle)
+        self.resets = 0
+        self.tasks: dict[str, TaskState] = {}
+        self.sources: dict[str, SourceState] = {}
+        self.seen_this_cycle: set[str] = set()
+        self.counters: dict[str, int] = {
+            "deltas": 0,
+            "merged_objects": 0,
+            "duplicates": 0,
+            "late": 0,
+            "full_objects": 0,
+        }
+        #: reason -> count of dropped messages or objects
+        self.dropped: dict[str, int] = {}
+        #: (reason, source or object) reported once each (the caller logs them)
+        self.problems: list[str] = []
+        self._reported: set[tuple[str, str]] = set()
+
+    # --- problems ------------------------------------------------------------------------
+    def _drop(self, reason: str, key: str, text: str) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        if (reason, key) not in self._reported and len(self._reported) < 10_000:
+            self._reported.add((reason, key))
+            self.problems.append(text)
+
+    def take_problems(self) -> list[str]:
+        out, self.problems = self.problems, []
+        return out
+
+    def _task(self, name: str) -> TaskState:
+        task = self.tasks.get(name)
+        if task is None:
+            task = self.tasks[name] = TaskState(self.window_cycles)
+        return task
+
+    def _source(self, src: str, task: str) -> SourceState | None:
+        state = self.sources.get(src)
+        if state is None:
+            if len(self.sources) >= self.max_sources:
+                self._drop(
+                    "too_many_sources",
+                    src,
+                    f"source {src!r} refused: {self.max_sources} "
+                    "sources already (raise max_sources)",
+                )
+                return None
+            state = self.sources[src] = SourceState(task)
+        return state
+
+    def _check_run(self, src: str, run: int) -> bool:
+        if self.run < 0:
+            self.run = run
+        if run != self.run:
+            self._drop(
+                "other_run",
+                src,
+                f"source {src!r} is of run {run}, this merger merges "
+                f"run {self.run}: its messages are dropped",
+            )
+            return False
+        return True
+
+    # --- producer messages ---------------------------------------------------------------
+    def accept(self, header: dict[Any, Any], payload: list[Any]) -> str:
+        """Merge one producer message; returns merged | duplicate | late | dropped."""
+        try:
+            src, task, run, cycle, seq, events, mode = check_header(header)
+        except CodecError as exc:
+            self._drop("bad_header", str(header.get("src", "?"))[:200], str(exc))
+            return "dropped"
+        if not self._check_run(src, run):
+            return "dropped"
+        source = self._source(src, task)
+        if source is None:
+            return "dropped"
+        if source.merged(seq):
+            self.counters["duplicates"] += 1
+            return "duplicate"
+        if seq > source.upto + MAX_SEQ_GAP:
+            self._drop(
+                "seq_gap",
+                src,
+                f"source {src!r}: sequence {seq} is more than "
+                f"{MAX_SEQ_GAP} ahead of {source.upto}: dropped",
+            )
+            return "dropped"
+        state = self._task(task)
+        try:
+            if mode == "delta" and self._fast(state, task, src, header, payload):
+                items = None
+            else:
+                state.flush()
+                items = self._decode(task, src, split_payload(header, payload))
+        except CodecError as exc:
+            self._drop("garbage", src, f"source {src!r}: undecodable QC payload ({exc})")
+            source.mark(seq)  # a re-send would be the same bytes: never ask for it again
+            return "dropped"
+        if items is None:
+            state.integral_events += events
+            state.cycle_events += events
+            source.events += events
+        elif mode == "full":
+            state.latest[src] = (events, {n: o for n, _, o in items})
+            self.counters["full_objects"] += len(items)
+        else:
+            self._merge_delta(state, src, items)
+            state.integral_events += events
+            state.cycle_events += events
+            source.events += events
+        source.mark(seq)
+        self.seen_this_cycle.add(src)
+        self.counters["deltas"] += 1
+        late = cycle <= source.published_cycle
+        source.last_cycle = max(source.last_cycle, cycle)
+        if late:
+            self.counters["late"] += 1
+            return "late"
+        return "merged"
+
+    def _fast(
+        self, state: TaskState, task: str, src: str, header: dict[Any, Any], payload: list[Any]
+    ) -> bool:
+        """Merge a histograms-only delta through its stacked plan; False if it has none."""
+        if len(payload) < 2 or bytes(payload[0]) != _NO_OBJECTS:
+            return False
+        plan = state.plans.find(payload[1])
+        if plan is not None and plan.contiguous and "sizes" in header and len(payload) == 3:
+            plan.add_joined(payload[2], header["sizes"])
+            self.counters["merged_objects"] += plan.n_items
+            return True
+        payload = split_payload(header, payload)
+        if plan is None:
+            try:
+                frames_used = plan_frames(msgpack.unpackb(payload[1]))
+            except Exception:
+                return False  # the ordinary path says what is wrong with it
+            if frames_used is None:
+                return False
+            state.flush()  # the check below must see every object merged so far
+            items = self._decode(task, src, payload)
+            if len(items) != len(frames_used):
+                self._merge_delta(state, src, items)  # some were dropped: no plan for it
+                return True
+            plan = StackPlan(items, frames_used)
+            state.plans.add(payload[1], plan)  # (flushed above: clearing loses nothing)
+        plan.add(payload[1:], state.targets(), src)
+        self.counters["merged_objects"] += plan.n_items
+        return True
+
+    def _decode(self, task: str, src: str, payload: list[Any]) -> list[tuple[str, str, Any]]:
+        """(name, kind, object) of every object of a payload, incompatible ones dropped."""
+        if not payload:
+            raise CodecError("QC message without payload")
+        try:
+            extra = msgpack.unpackb(bytes(payload[0]))
+            if type(extra) is not list:
+                raise CodecError("QC object list is not a list")
+            items: list[tuple[str, str, Any]] = [
+                (str(n), "o", decode_object(bytes(b))) for n, b in extra
+            ]
+        except CodecError:
+            raise
+        except Exception as exc:
+            raise CodecError(f"{type(exc).__name__}: {exc}") from None
+        if len(payload) > 1:
+            integral = self._task(task).integral
+            items.extend(integral.decode(payload[1:]))
+            # DeltaMerger keeps up to 1024 parsed heads; a head of 1000 histograms is
+            # ~1.3 MB, so keep few here (plans cache what the fast path needs)
+            if len(integral._plans) > 16:
+                integral._plans.clear()
+        state = self._task(task)
+        merged = state.integral.merged
+        checked = state.checked
+        good: list[tuple[str, str, Any]] = []
+        for name, kind, obj in items:
+            mine = merged.get(name)
+            if mine is None:
+                good.append((name, kind, obj))
+                continue
+            if kind == "h":
+                # the same binning as the last delta into the same object: checked already
+                # (a full check costs ~40 us, the merge of a 1 kB histogram ~1 us)
+                if checked.get(name) == (obj[1], id(mine)):
+                    good.append((name, kind, obj))
+                    continue
+                checked[name] = (obj[1], id(mine))
+            theirs = obj[0] if kind == "h" else obj
+            try:
+                check_compatible(mine, theirs, name, ("merged", f"source {src!r}"))
+            except (IncompatibleObjectsError, NotMergeableError) as exc:
+                checked.pop(name, None)
+                reason = (
+                    "incompatible" if isinstance(exc, IncompatibleObjectsError) else "not_mergeable"
+                )
+                self._drop(reason, f"{task}/{name}/{src}", f"task {task!r}: {exc}; dropped")
+                continue
+            good.append((name, kind, obj))
+        return good
+
+    def _merge_delta(self, state: TaskState, src: str, items: list[tuple[str, str, Any]]) -> None:
+        targets = [state.integral] if state.cycle is None else [state.integral, state.cycle]
+        bins = [it for it in items if it[1] == "h"]
+        for dm in targets:
+            if bins:
+                dm.add(bins, src)
+            for name, kind, obj in items:
+                if kind != "h":
+                    _merge_into(dm.merged, name, obj, f"source {src!r}")
+        self.counters["merged_objects"] += len(items)
+
+    def end_source(self, src: str) -> None:
+        """A producer said END: it is no longer missing when it sends nothing."""
+        source = self.sources.get(src)
+        if source is not None:
+            source.ended = True
+
+    # --- lower-layer mergers -------------------------------------------------------------
+    def accept_publication(self, src: str, pub: PublishedObject) -> str:
+        """Keep a lower merger's integral as the latest full object of ``src``."""
+        if pub.metadata.get("view", "integral") != "integral":
+            return "ignored"
+        if not self._check_run(src, pub.run):
+            return "dropped"
+        source = self._source(src, pub.task)
+        if source is None:
+            return "dropped"
+        state = self._task(pub.task)
+        if pub.sequence < state.latest_seq.get(src, 0):
+            self.counters["late"] += 1  # an older integral: the newer one holds it already
+            return "late"
+        _, objs = state.latest.get(src, (0, {}))
+        if pub.sequence > state.latest_seq.get(src, 0):
+            objs = {}  # a new cycle of that merger: its objects replace the old ones
+        mine = state.integral.merged.get(pub.name)
+        if mine is not None:
+            try:
+                check_compatible(mine, pub.obj, pub.name, ("merged", f"merger {src!r}"))
+            except (IncompatibleObjectsError, NotMergeableError) as exc:
+                self._drop("incompatible", f"{pub.task}/{pub.name}/{src}", str(exc))
+                return "dropped"
+        objs[pub.name] = pub.obj
+        state.latest[src] = (pub.event_count, objs)
+        state.latest_seq[src] = pub.sequence
+        source.upstream = pub.completeness
+        source.last_cycle = max(source.last_cycle, pub.cycle)
+        self.seen_this_cycle.add(src)
+        self.counters["full_objects"] += 1
+        return "merged"
+
+    # --- publishing ----------------------------------------------------------------------
+    def completeness(self) -> dict[str, Any]:
+        return completeness_record(self)
+
+    def publish(self, final: bool = False, now: float | None = None) -> list[PublishedObject]:
+        """Close a merger cycle: the objects to publish (copies: safe to keep)."""
+        for state in self.tasks.values():
+            state.flush()
+        self.cycle += 1
+        self.sequence += 1
+        created = time.time() if now is None else now
+        completeness = self.completeness()
+        out: list[PublishedObject] = []
+        for task_name, state in self.tasks.items():
+            meta = {
+                "merger": self.merger_id,
+                "final": final,
+                "late_deltas": self.counters["late"],
+                "resets": self.resets,
+            }
+            integral, events = self._integral(state)
+            for name, obj in integral.items():
+                out.append(
+                    self._pub(
+                        task_name,
+                        name,
+                        obj,
+                        events,
+                        completeness,
+                        created,
+                        {**meta, "view": "integral"},
+                    )
+                )
+            if state.cycle is not None:
+                state.window.append((state.cycle.merged, state.cycle_events))
+                state.cycle, state.cycle_events = DeltaMerger(), 0
+                window: dict[str, Any] = {}
+                w_events = 0
+                for objs, n in state.window:
+                    w_events += n
+                    for name, obj in objs.items():
+                        _merge_into(window, name, obj, "window")
+                for name, obj in window.items():
+                    out.append(
+                        self._pub(
+                            task_name,
+                            f"{name}/window",
+                            obj,
+                            w_events,
+                            completeness,
+                            created,
+                            {**meta, "view": "window", "cycles": len(state.window)},
+                        )
+                    )
+        for source in self.sources.values():
+            source.published_cycle = source.last_cycle
+        self.seen_this_cycle = set()
+        if self.reset_every and self.cycle % self.reset_every == 0:
+            self.resets += 1
+            for state in self.tasks.values():
+                state.integral, state.integral_events = DeltaMerger(), 0
+                state.checked.clear()
+        return out
+
+    def _pub(
+        self,
+        task: str,
+        name: str,
+        obj: Any,
+        events: int,
+        completeness: dict[str, Any],
+        created: float,
+        meta: dict[str, Any],
+    ) -> PublishedObject:
+        return PublishedObject(
+            path=qc_path(task, name),
+            task=task,
+            name=name,
+            run=max(self.run, 0),
+            cycle=self.cycle,
+            obj=obj,
+            completeness=completeness,
+            created=created,
+            sequence=self.sequence,
+            event_count=events,
+            metadata=meta,
+        )
+
+    def _integral(self, state: TaskState) -> tuple[dict[str, Any], int]:
+        """Copies of the integral plus every source's latest full objects."""
+        out = {name: copy_object(obj) for name, obj in state.integral.merged.items()}
+        events = state.integral_events
+        for src, (n, objs) in state.latest.items():
+            events += n
+            for name, obj in objs.items():
+                try:
+                    _merge_into(out, name, obj, f"source {src!r}")
+                except (IncompatibleObjectsError, NotMergeableError) as exc:
+                    self._drop("incompatible", f"{name}/{src}", str(exc))
+        return out, events
+
+    # --- checkpoint ----------------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        """Everything a restarted merger needs to go on exactly where this one published."""
+        return state_to_bytes(self)
+
+    def restore(self, data: bytes) -> None:
+        """Load a checkpoint of ``to_bytes`` (CodecError if it is not one)."""
+        restore_state(self, data)
+
+    def describe_objects(self) -> dict[str, str]:
+        return {
+            f"{t}/{n}": describe(o)
+            for t, st in self.tasks.items()
+            for n, o in st.integral.merged.items()
+        }

@@ -1,0 +1,129 @@
+"""The ``qc-producer`` device: a QcTask on the events of a channel, standalone.
+
+``evflow device qc-producer --task mymodule:MuonQc --merger ipc://qc-merger ...`` runs
+the task on every event that arrives on ``data-in`` (EVENTS messages of the default
+codec, single events or batches) and publishes like a task in a path. END from every
+input (``inputs``, default one per sub-channel) ends the run: the last publication is
+acknowledged by the merger before the device stops.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+from typing import Any
+
+from evflow.errors import CodecError, ConfigurationError
+from evflow.params import Param
+from evflow.processing.datastore import DataStore, RunMeta
+from evflow.qc.producer import QcTask
+from evflow.runtime.device import Device, Origin
+from evflow.runtime.devices._stream import acknowledge
+from evflow.wire.codec import decode_batch, decode_event
+from evflow.wire.messages import Message, MsgType
+
+log = logging.getLogger("evflow.qc")
+
+
+def load_task_class(spec: str) -> type[QcTask]:
+    """``module:Class`` of a QcTask subclass; ConfigurationError naming what is wrong."""
+    module_name, _, class_name = spec.partition(":")
+    if not module_name or not class_name:
+        raise ConfigurationError(f"QC task {spec!r} is not of the form module:Class")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigurationError(f"QC task {spec!r} cannot be loaded: {exc}") from None
+    if not (isinstance(cls, type) and issubclass(cls, QcTask)):
+        raise ConfigurationError(f"QC task {spec!r} is not a subclass of evflow.qc.QcTask")
+    return cls
+
+
+def decode_events(frames: list[Any]) -> list[DataStore]:
+    """The events of one EVENTS payload (a single event or a batch)."""
+    try:
+        return [decode_event(frames)]
+    except CodecError as exc:
+        if "batch" not in str(exc):
+            raise
+        return decode_batch(frames)
+
+
+class QcProducer(Device):
+    description = "QC producer: a QcTask on the events of data-in, published to a merger"
+
+    task = Param(str, "", "the QcTask class, module:Class")
+    task_params = Param(str, "{}", "the task's parameters as a JSON object")
+    merger = Param(str, "", "the merger's qc-in address")
+    cycle_s = Param(float, 10.0, "publication cycle (s)")
+    mode = Param(str, "delta", "publish deltas or full objects", choices=("delta", "full"))
+    source = Param(str, "", "source id (default: the device id)")
+    run_number = Param(int, 0, "run number of the publications")
+    inputs = Param(int, 0, "END messages to wait for (0 = one per data-in sub-channel)")
+    in_channel = Param(str, "data-in", "input channel")
+
+    def init_task(self) -> None:
+        cls = load_task_class(self.task)
+        try:
+            params = json.loads(self.task_params)
+        except json.JSONDecodeError as exc:
+            raise ConfigurationError(
+                f"device {self.id!r}: --task-params is not JSON: {exc}"
+            ) from None
+        if not isinstance(params, dict):
+            raise ConfigurationError(f"device {self.id!r}: --task-params must be a JSON object")
+        params.update(
+            merger=self.merger, cycle_s=self.cycle_s, mode=self.mode,
+            source=self.source or self.id, session=self.session,
+        )  # fmt: skip
+        self.qc_task = cls(**params)
+        self.qc_task.initialize()
+        self.qc_task.begin_run(RunMeta(0, self.run_number))
+        self.events_in = 0
+        self.bad_events = 0
+        self.ends = 0
+        self._needed = self.inputs or len(self.channel_list(self.in_channel))
+        self.on_data(self.in_channel, self._handle)
+        if self._bus is not None:
+            self._bus.handle("qc-set-cycle", self._set_cycle)
+
+    def _set_cycle(self, args: dict[str, Any]) -> dict[str, Any]:
+        seconds = args.get("seconds")
+        if not isinstance(seconds, int | float) or isinstance(seconds, bool) or seconds <= 0:
+            raise ConfigurationError(f"qc-set-cycle: seconds must be > 0, got {seconds!r}")
+        self.qc_task.set_cycle_s(float(seconds))
+        return {"cycle_s": float(seconds)}
+
+    def _handle(self, msg: Message, origin: Origin) -> bool:
+        if msg.type is MsgType.EVENTS:
+            try:
+                stores = decode_events(list(msg.payload))
+            except CodecError as exc:
+                self.bad_events += 1
+                if self.bad_events == 1:
+                    log.error("%s: undecodable events dropped (%s); more are counted", self.id, exc)
+                return True
+            for store in stores:
+                self.qc_task.event(store)
+            self.events_in += len(stores)
+            return True
+        if msg.type is MsgType.END:
+            self.ends += 1
+            acknowledge(self, msg, origin, count=self.events_in)
+            return self.ends < self._needed
+        return True
+
+    def post_run(self) -> None:
+        self.qc_task.end_run(RunMeta(0, self.run_number))
+
+    def reset_task(self) -> None:
+        self.qc_task.terminate()
+
+    def metrics(self) -> dict[str, Any]:
+        out = super().metrics()
+        task = getattr(self, "qc_task", None)
+        if task is not None:
+            out["qc"] = {**task.statistics(), "events_in": self.events_in,
+                         "bad_events": self.bad_events}  # fmt: skip
+        return out

@@ -12,11 +12,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from _topo import Lines
 from farm_hosts import NamespaceFarm
 
 pytestmark = [pytest.mark.netns, pytest.mark.sshd]
@@ -65,3 +67,72 @@ def test_three_hosts_example_over_ssh(farm: NamespaceFarm, tmp_path: Path) -> No
     sink = found["sink"]["sink"]
     sent = sum(found[f"sampler_{i}"]["sampler"]["sent"] for i in range(3))
     assert sink["received"] == sink["announced"] == sent > 0
+
+
+LOSS = """
+name = "farm-loss"
+[devices.sampler]
+class = "sampler"
+instances = 2
+hosts = ["h1", "h2"]
+rate = 200
+max_iterations = 1400
+params = { msg_size = 100 }
+channels = [{ name = "data", type = "dealer", connect = "merger.data-in" }]
+[devices.far]
+class = "sampler"
+hosts = ["h3"]
+expendable = true
+rate = 200
+params = { msg_size = 100 }
+channels = [{ name = "data", type = "dealer", connect = "merger.data-in" }]
+[devices.merger]
+class = "merger"
+hosts = ["h1"]
+channels = [
+  { name = "data-in", type = "router", bind = true },
+  { name = "data-out", type = "dealer", connect = "sink.data" },
+]
+[devices.sink]
+class = "sink"
+hosts = ["h1"]
+channels = [{ name = "data", type = "router", bind = true }]
+"""
+
+
+def test_a_whole_host_killed_is_reported_and_the_rest_finishes(
+    farm: NamespaceFarm, tmp_path: Path
+) -> None:
+    """SIGKILL of every process of h3 (its namespace, sshd included) mid-run: the
+    controller names the host within 2 s; the expendable (endless) sampler there is given up,
+    the merger stops waiting for its END, the sink's counts still check out."""
+    hosts = farm.write_hosts_file(tmp_path / "hosts.toml")
+    topo = tmp_path / "loss.toml"
+    topo.write_text(LOSS)
+    out = tmp_path / "stats"
+    env = {**os.environ, **farm.ssh_env()}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "evflow", "up", str(topo), "--launcher", "ssh", "--hosts",
+         str(hosts), "--stats-dir", str(out), "--quiet"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    lines = Lines(proc)
+    try:
+        lines.wait_for("devices RUNNING", 60)
+        killed_at = time.monotonic()
+        assert farm.kill_host("h3")
+        reported_at = lines.wait_for("host 'h3' lost", 10)
+        assert reported_at - killed_at < 2.0
+        code, text = lines.finish(90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 0, text
+    found = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
+    assert "far" not in found  # it died with its host
+    assert found["merger"]["forwarded"]["lost_peers"] == ["far"]
+    sink = found["sink"]["sink"]
+    assert sink["received"] == sink["announced"] > 0
+    for dev in ("sampler_0", "sampler_1"):
+        assert found[dev]["sampler"]["sent"] == 1400 and found[dev]["sampler"]["acked"] == 1

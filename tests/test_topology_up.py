@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import select
 import signal
 import subprocess
 import sys
@@ -21,6 +20,8 @@ from typing import Any
 
 import psutil
 import pytest
+
+from _topo import Lines
 
 EXAMPLES = Path(__file__).parent.parent / "examples" / "topologies"
 HOSTS3 = "[hosts]\n" + "".join(f'h{i} = {{ address = "127.0.0.1" }}\n' for i in (1, 2, 3))
@@ -39,53 +40,6 @@ def start_up(*args: str) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
     )
-
-
-class Lines:
-    """Read a process's stderr line by line with deadlines (never blocks past them)."""
-
-    def __init__(self, proc: subprocess.Popen[str]) -> None:
-        self.proc = proc
-        self.seen: list[tuple[float, str]] = []
-        self._buf = b""
-
-    def wait_for(self, text: str, timeout_s: float) -> float:
-        """The monotonic time at which a line containing ``text`` was read."""
-        for t, line in self.seen:
-            if text in line:
-                return t
-        assert self.proc.stderr is not None
-        fd = self.proc.stderr.fileno()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([fd], [], [], 0.05)
-            if not ready:
-                continue
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            self._buf += chunk
-            *lines, self._buf = self._buf.split(b"\n")
-            now = time.monotonic()
-            for raw in lines:
-                line = raw.decode(errors="replace")
-                self.seen.append((now, line))
-                if text in line:
-                    return now
-        raise AssertionError(
-            f"no line with {text!r} within {timeout_s} s; got:\n"
-            + "\n".join(line for _, line in self.seen[-30:])
-        )
-
-    def finish(self, timeout_s: float = 60) -> tuple[int, str]:
-        try:
-            _, rest = self.proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            _, rest = self.proc.communicate()
-            raise AssertionError("evflow up did not finish") from None
-        text = "\n".join(line for _, line in self.seen) + "\n" + self._buf.decode() + rest
-        return self.proc.returncode, text
 
 
 def stats(stats_dir: Path) -> dict[str, dict[str, Any]]:
@@ -136,11 +90,19 @@ SLOW = """
 name = "slow"
 [devices.sampler]
 class = "sampler"
-instances = 4
-hosts = ["h1", "h2"]
-expendable = EXPENDABLE
+instances = 2
+hosts = ["h1"]
 rate = 200
 max_iterations = 1000
+params = { msg_size = 100 }
+channels = [{ name = "data", type = "dealer", connect = "merger.data-in" }]
+[devices.far]
+class = "sampler"
+instances = 2
+hosts = ["h2"]
+expendable = EXPENDABLE
+rate = 200
+max_iterations = MAX_FAR
 params = { msg_size = 100 }
 channels = [{ name = "data", type = "dealer", connect = "merger.data-in" }]
 [devices.merger]
@@ -157,9 +119,11 @@ channels = [{ name = "data", type = "router", bind = true }]
 """
 
 
-def slow_topology(tmp_path: Path, expendable: bool) -> tuple[Path, Path]:
+def slow_topology(tmp_path: Path, expendable: bool, far_messages: int = 1000) -> tuple[Path, Path]:
+    """Samplers on h1 and h2 (``far_*``; 0 messages = until stopped) -> merger -> sink."""
     topo = tmp_path / "slow.toml"
-    topo.write_text(SLOW.replace("EXPENDABLE", "true" if expendable else "false"))
+    text = SLOW.replace("EXPENDABLE", "true" if expendable else "false")
+    topo.write_text(text.replace("MAX_FAR", str(far_messages)))
     hosts = tmp_path / "hosts.toml"
     hosts.write_text(HOSTS3)
     return topo, hosts
@@ -184,9 +148,10 @@ def agent_pid(session: str, host: str) -> int:
 @pytest.mark.parametrize("how", ["kill", "hang"])
 def test_lost_host_with_expendable_devices_lets_the_rest_finish(tmp_path: Path, how: str) -> None:
     """SIGKILL (seen by the launcher) or SIGSTOP (seen by the missing heartbeat) of the
-    agent of h2: its samplers are lost, reported within 2 s; the merger stops waiting
-    for their END and the sink's counts still check out."""
-    topo, hosts = slow_topology(tmp_path, expendable=True)
+    agent of h2: its samplers (endless: they cannot have ended before) are lost,
+    reported within 2 s; the merger stops waiting for their END and the sink's counts
+    still check out."""
+    topo, hosts = slow_topology(tmp_path, expendable=True, far_messages=0)
     out = tmp_path / "stats"
     session = f"loss{how}"
     proc = start_up(str(topo), "--hosts", str(hosts), "--session", session, "--stats-dir", str(out))
@@ -204,18 +169,18 @@ def test_lost_host_with_expendable_devices_lets_the_rest_finish(tmp_path: Path, 
             proc.kill()
             proc.wait()
     assert code == 0, text
-    assert "sampler_1, sampler_3 lost" in text
+    assert "far_0, far_1 lost" in text
     assert ("no heartbeat for" if how == "hang" else "its agent exited with code -9") in text
     found = stats(out)
     sink = found["sink"]["sink"]
     assert sink["received"] == sink["announced"] > 0
-    assert found["merger"]["forwarded"]["lost_peers"] == ["sampler_1", "sampler_3"]
-    for dev in ("sampler_0", "sampler_2"):
+    assert found["merger"]["forwarded"]["lost_peers"] == ["far_0", "far_1"]
+    for dev in ("sampler_0", "sampler_1"):
         assert found[dev]["sampler"]["sent"] == 1000 and found[dev]["sampler"]["acked"] == 1
 
 
 def test_lost_host_below_n_min_stops_the_topology_with_one_message(tmp_path: Path) -> None:
-    topo, hosts = slow_topology(tmp_path, expendable=False)
+    topo, hosts = slow_topology(tmp_path, expendable=False, far_messages=0)
     session = "lossfatal"
     proc = start_up(str(topo), "--hosts", str(hosts), "--session", session)
     lines = Lines(proc)
@@ -231,12 +196,12 @@ def test_lost_host_below_n_min_stops_the_topology_with_one_message(tmp_path: Pat
     errors = [line for line in text.splitlines() if line.startswith("evflow: error:")]
     assert len(errors) == 1, text
     assert "host 'h2' lost" in errors[0]
-    assert "device 'sampler' needs n_min=4 copies, 2 left" in errors[0]
+    assert "device 'far' needs n_min=2 copies, 0 left (lost: far_0, far_1)" in errors[0]
     assert "stopping the topology" in errors[0]
 
 
 def test_detach_status_ctl_and_down(tmp_path: Path) -> None:
-    topo, hosts = slow_topology(tmp_path, expendable=False)
+    topo, hosts = slow_topology(tmp_path, expendable=False, far_messages=0)
     topo.write_text(topo.read_text().replace("max_iterations = 1000", "max_iterations = 0"))
     out = tmp_path / "stats"
     up = evflow(
@@ -251,26 +216,26 @@ def test_detach_status_ctl_and_down(tmp_path: Path) -> None:
     assert data["session"] == "det" and data["phase"] == "running"
     assert {d["id"]: (d["host"], d["state"]) for d in data["devices"]} == {
         "sampler_0": ("h1", "RUNNING"),
-        "sampler_1": ("h2", "RUNNING"),
-        "sampler_2": ("h1", "RUNNING"),
-        "sampler_3": ("h2", "RUNNING"),
+        "sampler_1": ("h1", "RUNNING"),
+        "far_0": ("h2", "RUNNING"),
+        "far_1": ("h2", "RUNNING"),
         "merger": ("h1", "RUNNING"),
         "sink": ("h1", "RUNNING"),
     }
     table = evflow("status", "--session", "det")
-    assert table.returncode == 0 and "sampler_3" in table.stdout and "h2" in table.stdout
-    stop = evflow("ctl", "--session", "det", "STOP", "--select", "sampler_[01]")
+    assert table.returncode == 0 and "far_1" in table.stdout and "h2" in table.stdout
+    stop = evflow("ctl", "--session", "det", "STOP", "--select", "sampler_0|far_1")
     assert stop.returncode == 0, stop.stderr
-    assert sorted(r["node_id"] for r in json.loads(stop.stdout)) == ["sampler_0", "sampler_1"]
+    assert sorted(r["node_id"] for r in json.loads(stop.stdout)) == ["far_1", "sampler_0"]
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         data = json.loads(evflow("status", "--json").stdout)
         states = {d["id"]: d["state"] for d in data["devices"]}
-        if states["sampler_0"] == states["sampler_1"] == "READY":
+        if states["sampler_0"] == states["far_1"] == "READY":
             break
         time.sleep(0.2)
-    assert states["sampler_0"] == states["sampler_1"] == "READY", states
-    assert states["sampler_2"] == "RUNNING"
+    assert states["sampler_0"] == states["far_1"] == "READY", states
+    assert states["sampler_1"] == states["far_0"] == "RUNNING"
     # the detached controller is no child of ours: check by pid that it and its agents go
     pids = [data["pid"], *(h["agent_pid"] for h in data["hosts"])]
     down = evflow("down", "--session", "det")
@@ -318,7 +283,8 @@ def test_ctrl_c_during_start_up_leaves_nothing_behind(tmp_path: Path) -> None:
 
 def test_killed_device_is_restarted_and_walked_back_to_running(tmp_path: Path) -> None:
     topo, hosts = slow_topology(tmp_path, expendable=False)
-    text = topo.read_text().replace("instances = 4", 'instances = 2\nrestart = "on-failure"')
+    h1 = 'instances = 2\nhosts = ["h1"]'
+    text = topo.read_text().replace(h1, h1 + '\nrestart = "on-failure"')
     topo.write_text(text)
     out = tmp_path / "stats"
     session = "restart"

@@ -41,7 +41,7 @@ def test_three_hosts_example_over_ssh(farm: NamespaceFarm, tmp_path: Path) -> No
     env = {**os.environ, **farm.ssh_env()}
     up = evflow(
         env, "up", str(topo), "--launcher", "ssh", "--hosts", str(hosts), "--session", "farm3",
-        "--stats-dir", str(out), "--detach",
+        "--stats-dir", str(out), "--detach", "--insecure",
     )  # fmt: skip
     assert up.returncode == 0, up.stderr
     try:
@@ -113,7 +113,7 @@ def test_a_whole_host_killed_is_reported_and_the_rest_finishes(
     env = {**os.environ, **farm.ssh_env()}
     proc = subprocess.Popen(
         [sys.executable, "-m", "evflow", "up", str(topo), "--launcher", "ssh", "--hosts",
-         str(hosts), "--stats-dir", str(out), "--quiet"],
+         str(hosts), "--stats-dir", str(out), "--quiet", "--insecure"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
     lines = Lines(proc)
@@ -136,3 +136,15 @@ def test_a_whole_host_killed_is_reported_and_the_rest_finishes(
     assert sink["received"] == sink["announced"] > 0
     for dev in ("sampler_0", "sampler_1"):
         assert found[dev]["sampler"]["sent"] == 1400 and found[dev]["sampler"]["acked"] == 1
+
+
+def test_hosts_over_ssh_without_keys_need_insecure(farm: NamespaceFarm, tmp_path: Path) -> None:
+    hosts = farm.write_hosts_file(tmp_path / "hosts.toml")
+    env = {**os.environ, **farm.ssh_env()}
+    proc = evflow(env, "up", str(EXAMPLES / "three_hosts.toml"), "--launcher", "ssh",
+                  "--hosts", str(hosts))  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"evflow: error: {EXAMPLES / 'three_hosts.toml'}: the topology runs on hosts h1, h2, h3 "
+        "over tcp without CURVE keys; pass --insecure to run it in plaintext on a trusted network"
+    ]

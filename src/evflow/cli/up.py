@@ -50,6 +50,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--severity", default="info", choices=("debug", "info", "warn", "error"), help="log level"
     )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow plaintext tcp between hosts (needed with the ssh and slurm launchers "
+        "until evflow up sets up CURVE keys)",
+    )
     parser.add_argument("--notify-fd", type=int, default=-1, help=argparse.SUPPRESS)
     parser.set_defaults(func=_handle)
 
@@ -87,6 +93,7 @@ def _handle(args: argparse.Namespace) -> int:
                 f"--session {args.session!r}: use letters, digits, '_' and '-' (at most 40)"
             )
         session = args.session or session_name(topology.name)
+        _check_security(args, topology)
         if args.detach:
             return _detach(args, session)
         if holder["early"]:
@@ -95,6 +102,21 @@ def _handle(args: argparse.Namespace) -> int:
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
+
+
+def _check_security(args: argparse.Namespace, topology: Any) -> None:
+    """A topology over other hosts' networks runs in plaintext only when asked to."""
+    if args.launcher == "local":
+        return
+    hosts = ", ".join(sorted(topology.hosts))
+    if not args.insecure:
+        raise ConfigurationError(
+            f"{topology.source}: the topology runs on hosts {hosts} over tcp without CURVE "
+            "keys; pass --insecure to run it in plaintext on a trusted network"
+        )
+    logging.getLogger("evflow.topology").warning(
+        "--insecure: control bus and data channels between hosts %s are plaintext tcp", hosts
+    )
 
 
 def _run(args: argparse.Namespace, topology: Any, session: str, holder: dict[str, Any]) -> int:
@@ -199,6 +221,8 @@ def _detach(args: argparse.Namespace, session: str) -> int:
     argv = [sys.executable, "-m", "evflow", "up", args.topology, "--launcher", args.launcher]
     argv += ["--session", session, "--notify-fd", str(write_fd), "--grace", str(args.grace)]
     argv += ["--start-timeout", str(args.start_timeout)]
+    if args.insecure:
+        argv.append("--insecure")
     if args.hosts:
         argv += ["--hosts", args.hosts]
     if args.stats_dir:

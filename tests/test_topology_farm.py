@@ -148,3 +148,26 @@ def test_hosts_over_ssh_without_keys_need_insecure(farm: NamespaceFarm, tmp_path
         f"evflow: error: {EXAMPLES / 'three_hosts.toml'}: the topology runs on hosts h1, h2, h3 "
         "over tcp without CURVE keys; pass --insecure to run it in plaintext on a trusted network"
     ]
+
+
+@pytest.mark.slurm
+def test_three_hosts_example_over_slurm(slurm: Any, farm: NamespaceFarm, tmp_path: Path) -> None:
+    """One agent per node through srun: same counts, each device on its node."""
+    hosts = farm.write_hosts_file(tmp_path / "hosts.toml")
+    out = tmp_path / "stats"
+    env = {**os.environ, **slurm.env}
+    proc = evflow(
+        env, "up", str(EXAMPLES / "three_hosts.toml"), "--launcher", "slurm", "--hosts",
+        str(hosts), "--stats-dir", str(out), "--quiet", "--insecure",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    found = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
+    assert {k: v["host"] for k, v in found.items()} == {
+        "sampler_0": "h1",
+        "sampler_1": "h2",
+        "sampler_2": "h3",
+        "merger": "h2",
+        "sink": "h3",
+    }
+    sink = found["sink"]["sink"]
+    assert sink["received"] == sink["announced"] == 30000

@@ -127,7 +127,7 @@ def test_a_whole_host_killed_is_reported_and_the_rest_finishes(
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+        proc.communicate()  # reaps it and closes its pipes, also after a failure
     assert code == 0, text
     found = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
     assert "far" not in found  # it died with its host

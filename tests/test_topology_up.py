@@ -167,7 +167,7 @@ def test_lost_host_with_expendable_devices_lets_the_rest_finish(tmp_path: Path, 
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+        proc.communicate()  # reaps it and closes its pipes, also after a failure
     assert code == 0, text
     assert "far_0, far_1 lost" in text
     assert ("no heartbeat for" if how == "hang" else "its agent exited with code -9") in text
@@ -191,7 +191,7 @@ def test_lost_host_below_n_min_stops_the_topology_with_one_message(tmp_path: Pat
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+        proc.communicate()  # reaps it and closes its pipes, also after a failure
     assert code == 1, text
     errors = [line for line in text.splitlines() if line.startswith("evflow: error:")]
     assert len(errors) == 1, text
@@ -300,7 +300,7 @@ def test_killed_device_is_restarted_and_walked_back_to_running(tmp_path: Path) -
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+        proc.communicate()  # reaps it and closes its pipes, also after a failure
     assert code == 0, text
     found = stats(out)
     assert found["sampler_1"]["sampler"]["sent"] == 1000  # the new process sent them all

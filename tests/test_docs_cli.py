@@ -146,7 +146,7 @@ def test_every_documented_command_line_exists_in_the_parser(where: str, line: st
 
 
 def test_the_checker_catches_what_the_parser_lacks() -> None:
-    assert problems_of("evflow up topology.toml", "") != []
+    assert problems_of("evflow teleport topology.toml", "") != []
     assert problems_of("evflow run steer.py --no-such-option", "") != []
     assert problems_of("evflow ctl get-runs", "") != []
     assert problems_of("evflow ctl get-metrics input --nope", "") != []

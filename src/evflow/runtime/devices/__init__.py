@@ -16,6 +16,7 @@ BUILTIN_DEVICES: dict[str, str] = {
     "proxy": "evflow.runtime.devices.forward:Proxy",
     "qc-merger": "evflow.qc.merger:QcMerger",
     "qc-producer": "evflow.qc.producer_device:QcProducer",
+    "qc-repository": "evflow.qc.repository_device:QcRepositoryDevice",
 }
 
 __all__ = ["BUILTIN_DEVICES"]

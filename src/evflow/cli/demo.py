@@ -49,6 +49,12 @@ def register(subparsers: Any) -> None:
         help="instead: a toy run on -p workers (default 4) while workers are SIGKILLed, "
         "hang, raise and segfault; checks every event is written exactly once",
     )
+    parser.add_argument(
+        "--qc",
+        action="store_true",
+        help="also run online QC: a QC task in every worker, a merger, checks against a "
+        "reference, the repository DIR/qc.sqlite; prints each object's quality",
+    )
     parser.set_defaults(func=handle)
 
 
@@ -65,10 +71,21 @@ def handle(args: argparse.Namespace) -> int:
         return 0 if chaos.ok else 1
     from evflow.demo import run_demo
 
+    qc = None
     try:
-        result = run_demo(
-            args.output_dir, max_events=args.max_events, workers=args.workers, quiet=args.quiet
-        )
+        if getattr(args, "qc", False):
+            from evflow.demo.qc import run_qc_demo
+
+            qc = run_qc_demo(
+                args.output_dir, max_events=args.max_events, workers=args.workers,
+                quiet=args.quiet,
+            )  # fmt: skip
+            result = qc.demo
+        else:
+            result = run_demo(
+                args.output_dir, max_events=args.max_events, workers=args.workers,
+                quiet=args.quiet,
+            )  # fmt: skip
     except EvflowError as exc:
         show_user_traceback(exc)
         raise
@@ -77,4 +94,6 @@ def handle(args: argparse.Namespace) -> int:
         print(f"selected events: {result.selected_root}")
         print(f"histograms:      {result.histograms_root}")
         print(f"plot:            {result.plot_png}")
+        if qc is not None:
+            print(qc.report())
     return 0

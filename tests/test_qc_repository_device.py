@@ -283,3 +283,89 @@ def test_repository_channel_must_receive(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode == 1 and "must receive (pull or router)" in out.stderr
+
+
+def test_repository_device_killed_mid_run_restarts_and_stores_the_final_objects(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL of the repository device mid-run: the supervisor restarts it on the same
+    file (the kernel dropped its lock, SQLite's WAL recovers), the merger's final
+    publications are re-sent until acknowledged, the end result is exact."""
+    n_events, p = 24_000, 2
+    repo_path, checks = tmp_path / "qc.sqlite", tmp_path / "checks.toml"
+    checks.write_text(CHECKS)
+    address = "ipc://qc-repo-kill"
+    sup = Supervisor(bus=False).start()
+    try:
+        argv = repository_argv(sup, repo_path, checks, address, "--inputs", "1")
+        sup.add_command("qc-repository", [a.replace("type=pull", "type=router") for a in argv],
+                        restart="on-failure", max_restarts=2, backoff_s=0.2)  # fmt: skip
+        top = start_run(sup, tmp_path, p, n_events, [1], address, out_type="dealer")
+
+        def stored() -> int:
+            if not repo_path.exists():
+                return 0
+            with Repository(repo_path, readonly=True) as repo:
+                return len(repo.versions("qc/det/h1")) if repo.paths() else 0
+
+        wait_for(sup, lambda: stored() >= 3, 60, "three stored cycles")
+        assert sup.processes[top].state == "running", "the run ended before the kill"
+        killed_at = stored()
+        sup.kill("qc-repository")
+        wait_for(sup, lambda: sup.processes["qc-repository"].state == "done", 90,
+                 "the restarted repository device's end")  # fmt: skip
+        assert len(sup.processes["qc-repository"].pids) == 2  # restarted once
+    finally:
+        sup.shutdown()
+        sup.close()
+    ref = reference(list(range(n_events)))
+    with Repository(repo_path, readonly=True) as repo:
+        versions = repo.versions("qc/det/h1")
+        assert len(versions) > killed_at and versions[0].metadata["final"]
+        for name in ("h1", "h2", "h3", "hn"):
+            got = repo.latest(f"qc/det/{name}")
+            assert got is not None and got.event_count == n_events
+            assert np.array_equal(got.obj.view(flow=True), ref[name].view(flow=True)), name
+        assert repo.latest_info("qc/det/h2").quality == "Bad"  # type: ignore[union-attr]
+
+
+def test_the_quick_start_of_the_docs(tmp_path: Path) -> None:
+    """docs/qc.md "QC in 5 minutes": the two devices, `evflow run` of the example
+    steering file with two workers, `evflow qc ls` (in a session of its own)."""
+    examples = Path(__file__).parent.parent / "examples"
+    session = f"qc5-{os.getpid()}"
+    steering = tmp_path / "qc_steering.py"
+    steering.write_text((examples / "qc_steering.py").read_text().replace('"qc5"', f'"{session}"'))
+    evflow = [sys.executable, "-m", "evflow"]
+    common = ["--session", session, "--severity", "warn"]
+    repo = subprocess.Popen(
+        [*evflow, "device", "qc-repository", "--id", "qc-repository", *common,
+         "--repo", "qc.sqlite", "--checks", str(examples / "qc_checks.toml"), "--inputs", "1",
+         "--channel-config", "name=qc-in,type=router,method=bind,address=ipc://qc-repository"],
+        cwd=tmp_path,
+    )  # fmt: skip
+    merger = subprocess.Popen(
+        [*evflow, "device", "qc-merger", "--id", "qc-merger", *common, "--cycle-s", "0.5",
+         "--inputs", "2",
+         "--channel-config", "name=qc-in,type=router,method=bind,address=ipc://qc-merger",
+         "--channel-config",
+         "name=qc-out,type=dealer,method=connect,address=ipc://qc-repository"],
+        cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        run = subprocess.run([*evflow, "run", str(steering), "-p", "2", "-n", "4000", "-q"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=90)  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        assert merger.wait(60) == 0 and repo.wait(60) == 0
+    finally:
+        for proc in (merger, repo):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    ls = subprocess.run([*evflow, "qc", "ls", "--repo", "qc.sqlite"], cwd=tmp_path,
+                        capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert ls.returncode == 0, ls.stderr
+    rows = [line.split() for line in ls.stdout.splitlines()]
+    assert [(r[0], r[-1]) for r in rows] == [("qc/toy/events", "-"), ("qc/toy/value", "Good")]
+    with Repository(tmp_path / "qc.sqlite", readonly=True) as stored:
+        assert stored.latest("qc/toy/events").obj == 4000  # type: ignore[union-attr]

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from evflow.errors import InputError
 from evflow.qc.layers import build_layers, launch_layers
 from evflow.qc.repository import Repository
 from evflow.runtime.supervisor import Supervisor
@@ -303,10 +304,11 @@ def test_repository_device_killed_mid_run_restarts_and_stores_the_final_objects(
         top = start_run(sup, tmp_path, p, n_events, [1], address, out_type="dealer")
 
         def stored() -> int:
-            if not repo_path.exists():
+            try:
+                with Repository(repo_path, readonly=True) as repo:
+                    return len(repo.versions("qc/det/h1"))
+            except InputError:  # not yet created, or its schema not yet written
                 return 0
-            with Repository(repo_path, readonly=True) as repo:
-                return len(repo.versions("qc/det/h1")) if repo.paths() else 0
 
         wait_for(sup, lambda: stored() >= 3, 60, "three stored cycles")
         assert sup.processes[top].state == "running", "the run ended before the kill"
@@ -369,3 +371,59 @@ def test_the_quick_start_of_the_docs(tmp_path: Path) -> None:
     assert [(r[0], r[-1]) for r in rows] == [("qc/toy/events", "-"), ("qc/toy/value", "Good")]
     with Repository(tmp_path / "qc.sqlite", readonly=True) as stored:
         assert stored.latest("qc/toy/events").obj == 4000  # type: ignore[union-attr]
+
+
+def test_a_storing_gap_is_retried_while_no_publication_arrives(tmp_path: Path) -> None:
+    """The device retries a failed store on its interval even when the mergers are quiet
+    (in process: the device in a thread, the disk full simulated)."""
+    import threading
+
+    import hist
+
+    from evflow.qc.publication import PublishedObject, encode_publication
+    from evflow.qc.repository_device import QcRepositoryDevice
+    from evflow.runtime.states import State
+    from test_qc_storage import _FlakyRepository
+
+    session = f"qcrepogap-{os.getpid()}"
+    (cfg,) = parse_channel_config("name=qc-in,type=pull,method=bind,address=ipc://gap-in")
+    device = QcRepositoryDevice("r", [cfg], session=session, repo=str(tmp_path / "q.sqlite"),
+                                retry_interval_s=0.05)  # fmt: skip
+    thread = threading.Thread(target=device.run, daemon=True)
+    thread.start()
+    context: zmq.Context[Any] = zmq.Context()
+    (out,) = parse_channel_config("name=o,type=push,method=connect,address=ipc://gap-in")
+    sender = open_channel(context, out, session)
+    try:
+        deadline = time.monotonic() + 30
+        while device.state is not State.RUNNING:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.01)
+        flaky = _FlakyRepository(device.writer.repository)
+        flaky.full = True
+        device.writer.repository = flaky  # type: ignore[assignment]
+        h = hist.Hist.new.Reg(4, 0, 1).Double()
+        h.fill([0.1, 0.6])
+        pub = PublishedObject("qc/t/h", "t", "h", 1, 1, h, {}, time.time(), 1, 2)
+        sender.send(encode_publication(pub, "m"))
+        while device.metrics().get("qc_repository", {}).get("pending") != 1:
+            assert time.monotonic() < deadline, "the publication never arrived"
+            time.sleep(0.01)
+        assert device.writer.statistics().storing is False
+        flaky.full = False  # the disk has room again; nothing else arrives
+        while device.writer.statistics().pending:
+            assert time.monotonic() < deadline, "the gap was not retried"
+            time.sleep(0.01)
+        stats = device.writer.statistics()
+        assert (stats.storing, stats.stored, stats.gaps) == (True, 1, 1)
+        device.writer.repository = flaky.real
+    finally:
+        sender.close(0)
+        context.term()
+        device.request_shutdown()
+        thread.join(30)
+    assert not thread.is_alive()
+    with Repository(tmp_path / "q.sqlite", readonly=True) as repo:
+        stored = repo.latest("qc/t/h")
+        assert stored is not None and stored.obj == h
+        assert len(repo.gaps()) == 1

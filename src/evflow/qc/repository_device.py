@@ -199,14 +199,15 @@ class QcRepositoryDevice(Device):
 
     def reset_task(self) -> None:
         writer = getattr(self, "writer", None)
-        if writer is not None:
-            self._final = self._repository_metrics()  # what --stats-file reports
-            try:
+        try:
+            if writer is not None:
+                self._final = self._repository_metrics()  # what --stats-file reports
+                self.writer = None  # type: ignore[assignment]
                 writer.close()
-            except EvflowError as exc:
-                log.error("%s: closing the repository: %s", self.id, exc)
-            self.writer = None  # type: ignore[assignment]
-        self._unlock()
+        except EvflowError as exc:
+            log.error("%s: closing the repository: %s", self.id, exc)
+        finally:
+            self._unlock()  # whatever happened: the next writer may take the file
 
     def _unlock(self) -> None:
         lock = getattr(self, "_lock", None)

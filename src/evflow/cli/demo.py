@@ -61,6 +61,12 @@ def register(subparsers: Any) -> None:
         "--rate", type=float, default=2000.0, help="replay rate in Hz, 0: as fast as possible"
     )
     hlt.add_argument("--passes", type=int, default=2, help="passes over the file (default 2)")
+    parser.add_argument(
+        "--qc",
+        action="store_true",
+        help="also run online QC: a QC task in every worker, a merger, checks against a "
+        "reference, the repository DIR/qc.sqlite; prints each object's quality",
+    )
     parser.set_defaults(func=handle)
 
 
@@ -92,10 +98,21 @@ def handle(args: argparse.Namespace) -> int:
         return 0 if chaos.ok else 1
     from evflow.demo import run_demo
 
+    qc = None
     try:
-        result = run_demo(
-            args.output_dir, max_events=args.max_events, workers=args.workers, quiet=args.quiet
-        )
+        if getattr(args, "qc", False):
+            from evflow.demo.qc import run_qc_demo
+
+            qc = run_qc_demo(
+                args.output_dir, max_events=args.max_events, workers=args.workers,
+                quiet=args.quiet,
+            )  # fmt: skip
+            result = qc.demo
+        else:
+            result = run_demo(
+                args.output_dir, max_events=args.max_events, workers=args.workers,
+                quiet=args.quiet,
+            )  # fmt: skip
     except EvflowError as exc:
         show_user_traceback(exc)
         raise
@@ -104,4 +121,6 @@ def handle(args: argparse.Namespace) -> int:
         print(f"selected events: {result.selected_root}")
         print(f"histograms:      {result.histograms_root}")
         print(f"plot:            {result.plot_png}")
+        if qc is not None:
+            print(qc.report())
     return 0

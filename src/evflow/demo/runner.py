@@ -22,6 +22,7 @@ from evflow.demo.analysis import (
 from evflow.demo.reco import FourLeptonRefit, ZMassFit
 from evflow.errors import InputError, OutputError
 from evflow.processing.api import process
+from evflow.processing.module import Module
 from evflow.processing.path import Path
 from evflow.processing.summary import RunSummary
 
@@ -90,8 +91,10 @@ def hzz_path() -> str:
         ) from exc
 
 
-def build_path(input_file: str, output_file: str) -> Path:
-    """RootInput -> lepton selections -> masses -> Z fits -> histograms -> trigger -> output."""
+def build_path(input_file: str, output_file: str, qc_task: Module | None = None) -> Path:
+    """RootInput -> lepton selections -> masses -> Z fits -> histograms -> trigger -> output.
+
+    ``qc_task`` (a QcTask, ``evflow demo --qc``) sees every event, after the fits."""
     from evflow.io.root import RootInput, RootOutput
 
     path = Path()
@@ -102,6 +105,8 @@ def build_path(input_file: str, output_file: str) -> Path:
     path.add(FourLeptonMass())
     path.add(ZMassFit())  # the CPU-heavy reconstruction step (~3 ms per muon pair)
     path.add(FourLeptonRefit())
+    if qc_task is not None:
+        path.add(qc_task)
     path.add(MassHistograms())
     path.add(CandidateFilter())
     path.add(KeepBranches(keep=OUTPUT_BRANCHES))  # in the workers: less to send and decode
@@ -122,6 +127,7 @@ def run_demo(
     max_events: int | None = None,
     workers: int | None = None,
     quiet: bool = False,
+    qc_task: Module | None = None,
 ) -> DemoResult:
     """Run the demo; write selected.root, histograms.root and masses.png to ``output_dir``.
 
@@ -136,7 +142,7 @@ def run_demo(
         ) from None
     selected = out / SELECTED
     n_workers = default_workers() if workers is None else workers
-    path = build_path(hzz_path(), str(selected))
+    path = build_path(hzz_path(), str(selected), qc_task)
     import hist  # noqa: F401  (now, so that forked workers need not import it each)
 
     summary = process(path, max_events=max_events, workers=n_workers, quiet=quiet)

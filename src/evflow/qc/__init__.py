@@ -2,7 +2,9 @@
 
 See ``docs/qc.md``. The merger device is ``evflow.qc.merger.QcMerger`` (built-in
 ``qc-merger``), the standalone producer ``evflow.qc.producer_device.QcProducer``
-(``qc-producer``).
+(``qc-producer``), the repository device ``evflow.qc.repository_device.QcRepositoryDevice``
+(``qc-repository``: checks and stores the mergers' publications, see
+``docs/qc_repository.md``).
 """
 
 from __future__ import annotations

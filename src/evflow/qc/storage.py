@@ -80,6 +80,7 @@ class RepositoryWriter:
         self._next_retry = 0.0
         self._unstorable_paths: set[str] = set()
         self._received = self._stored = self._lost = self._unstorable = self._gaps = 0
+        self._qualities: dict[str, int] = {}
 
     @classmethod
     def open(
@@ -121,6 +122,8 @@ class RepositoryWriter:
         except Exception as exc:  # the suite guards each check; this is a last resort
             log.error("checks on %s failed: %s: %s", published.path, type(exc).__name__, exc)
             result = SuiteResult()
+        label = result.quality.quality.label if result.quality is not None else "unchecked"
+        self._qualities[label] = self._qualities.get(label, 0) + 1
         item = _Pending(published, result, _approx_nbytes(published.obj))
         self._pending.append(item)
         self._pending_bytes += item.nbytes
@@ -172,6 +175,10 @@ class RepositoryWriter:
             gaps=self._gaps,
             storing=self._gap_started is None,
         )
+
+    def quality_counts(self) -> dict[str, int]:
+        """Objects received per quality (``Good`` ... ``Null``, ``unchecked``)."""
+        return dict(self._qualities)
 
     def _store(self, item: _Pending) -> None:
         published, result = item.published, item.result

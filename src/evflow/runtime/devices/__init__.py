@@ -18,6 +18,7 @@ BUILTIN_DEVICES: dict[str, str] = {
     "qc-producer": "evflow.qc.producer_device:QcProducer",
     "eventbuilder": "evflow.hlt.builder_device:EventBuilderDevice",
     "replay": "evflow.hlt.replay_device:ReplayDevice",
+    "qc-repository": "evflow.qc.repository_device:QcRepositoryDevice",
 }
 
 __all__ = ["BUILTIN_DEVICES"]

@@ -5,6 +5,7 @@
     evflow ctl check-state [ID]          # one node, or every node that answers
     evflow ctl get-metrics [ID]
     evflow ctl transition ID RUN|STOP|END|...
+    evflow ctl STOP --select 'sampler_.*'   # every node whose id matches (a topology)
 
 The bus is ``--bus PUBLISH,SUBSCRIBE`` (the proxy's XSUB and XPUB endpoints), or the
 local bus of ``--session S``, or, when neither is given, the only session with a bus
@@ -57,6 +58,20 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help=f"one of {', '.join(TRANSITIONS)}",
     )
     _add_options(p, main=False)
+    for name in TRANSITIONS:
+        p = sub.add_parser(
+            name,
+            aliases=[name.lower()],
+            help=f"ask every node matching --select to take {name}" if name == "RUN" else None,
+        )
+        p.add_argument(
+            "--select",
+            required=True,
+            metavar="REGEX",
+            help="node ids to address (a regular expression matching the whole id)",
+        )
+        p.set_defaults(ctl_command="transition", node_id="", transition=name)
+        _add_options(p, main=False)
     parser.set_defaults(func=_handle)
 
 
@@ -118,11 +133,24 @@ def _handle(args: argparse.Namespace) -> int:
     if timeout_s <= 0:
         raise ConfigurationError(f"--timeout must be > 0, got {timeout_s}")
     cmd_args = {"transition": args.transition} if args.ctl_command == "transition" else None
+    select = getattr(args, "select", None)
+    if select is not None:
+        import re
+
+        try:
+            re.compile(select)
+        except re.error as exc:
+            raise ConfigurationError(
+                f"--select {select!r} is not a regular expression: {exc}"
+            ) from None
+        to = "*"
     context: zmq.Context[Any] = zmq.Context()
     try:
         controller = BusController(context, endpoints)
         try:
-            replies = controller.request(args.ctl_command, to, cmd_args, timeout_s=timeout_s)
+            replies = controller.request(
+                args.ctl_command, to, cmd_args, timeout_s=timeout_s, select=select
+            )
         finally:
             controller.close()
     finally:

@@ -10,7 +10,9 @@ Every message is a wire-protocol message (:mod:`evflow.wire.messages`); its firs
 is the type byte, so subscribers filter by type (nodes subscribe to COMMAND, the
 controller to REPLY/STATE/METRICS). Headers (msgpack maps):
 
-- COMMAND ``{cmd, to, req, from, ts, args}``: ``to`` is a node id or ``"*"`` (all);
+- COMMAND ``{cmd, to, req, from, ts, args}``: ``to`` is a node id, a list of ids or
+  ``"*"`` (all); an optional ``select`` regular expression must match the whole id;
+  ``quiet: true`` asks for no REPLY (the command is still executed once);
   ``cmd`` is ``check-state``, ``get-metrics``, ``transition`` (``args.transition``) or
   ``ping``.
 - REPLY ``{req, cmd, from, to, ok, data | error}``.
@@ -181,6 +183,9 @@ class BusProxy:
                 bad_message_kinds=dict(self.bad.counts),
                 uptime_s=round(now - self.started_s, 3),
                 endpoints=str(self.endpoints),
+                # every endpoint (e.g. ipc and a tcp port picked at bind), for other hosts
+                publish_endpoints=list(self._xsub.endpoints),
+                subscribe_endpoints=list(self._xpub.endpoints),
             )
         reply = {
             "req": header.get("req"),

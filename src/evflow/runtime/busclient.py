@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +41,19 @@ PROXY_ID = "bus"
 COMMANDS = ("check-state", "get-metrics", "transition", "ping")
 
 _TYPE = {t: bytes([int(t)]) for t in MsgType}
+
+
+@functools.lru_cache(maxsize=64)
+def _pattern(select: str) -> re.Pattern[str] | None:
+    try:
+        return re.compile(select)
+    except re.error:
+        return None
+
+
+def _matches(select: str, node_id: str) -> bool:
+    pattern = _pattern(select)
+    return pattern is not None and pattern.fullmatch(node_id) is not None
 
 
 @dataclass(frozen=True)
@@ -207,6 +222,10 @@ class BusClient:
             self.publish_metrics(node)
         return self.poll(node)
 
+    def publish(self, mtype: MsgType, header: dict[str, Any]) -> None:
+        """Publish any bus message (best effort, like states and metrics)."""
+        self._send(mtype, header)
+
     def _send(self, mtype: MsgType, header: dict[str, Any]) -> None:
         if self.closed:
             return
@@ -227,21 +246,36 @@ class BusClient:
             if msg is None or msg.type is not MsgType.COMMAND:
                 continue
             header = msg.header
-            if header.get("to") not in (self.node_id, "*"):
+            if not self.addressed(header):
                 continue
             req = str(header.get("req", ""))
+            # "quiet": the sender wants no REPLY (hundreds of devices told one thing)
+            quiet = header.get("quiet") is True
             if req and req in self._answered:
-                self._pub.send(self._answered[req])
+                if not quiet:
+                    self._pub.send(self._answered[req])
                 continue
             reply = encode_message(MsgType.REPLY, self._answer(node, header))
             if req:
                 self._answered[req] = reply
                 while len(self._answered) > 64:
                     self._answered.popitem(last=False)
-            self._pub.send(reply)
+            if not quiet:
+                self._pub.send(reply)
             handled += 1
         self.commands_handled += handled
         return handled
+
+    def addressed(self, header: dict[Any, Any]) -> bool:
+        """True if a command is for us: ``to`` is our id, ``"*"`` or a list holding our id,
+        and ``select`` (a regular expression, optional) matches our whole id."""
+        to = header.get("to")
+        if not (to == self.node_id or to == "*" or (isinstance(to, list) and self.node_id in to)):
+            return False
+        select = header.get("select")
+        if select is None:
+            return True
+        return isinstance(select, str) and _matches(select, self.node_id)
 
     def _answer(self, node: Any, header: dict[Any, Any]) -> dict[str, Any]:
         cmd = header.get("cmd")

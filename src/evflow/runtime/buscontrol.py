@@ -91,6 +91,7 @@ class BusController:
         timeout_s: float = 2.0,
         resend_s: float = 0.5,
         abort: Callable[[], bool] | None = None,
+        select: str | None = None,
     ) -> list[dict[str, Any]]:
         """Send ``cmd`` and return the reply headers.
 
@@ -99,6 +100,8 @@ class BusController:
         raises TimeoutError_ naming the node and the nodes seen if none answered.
         ``to="*"``: collects every reply that arrives within ``timeout_s``.
         ``abort()`` is checked every 0.1 s; when True the call returns what it has.
+        ``select`` (a regular expression) limits ``to="*"`` to the nodes whose whole id
+        matches it.
         """
         self.connect(timeout_s)
         req = f"{self.name}-{next(self._seq)}"
@@ -110,6 +113,8 @@ class BusController:
             "ts": time.time(),
             "args": args or {},
         }
+        if select is not None:
+            header["select"] = select
         frames = encode_message(MsgType.COMMAND, header)
         replies: dict[str, dict[str, Any]] = {}
         deadline = time.monotonic() + timeout_s

@@ -111,6 +111,10 @@ class Device:
         self.iterations = 0
         self.bad_messages: dict[str, BadMessageCounter] = {}
         self._bus: Any = None
+        #: endpoint exchange of a topology (``evflow.topology.node``): the channel configs
+        #: come from ``channel_configs(device, binding)`` before the bind channels and
+        #: again before the connect channels open; ``published(device)`` after binding
+        self.exchange: Any = None
         self.error: BaseException | None = None
         self._next_tick = 0.0
         self._next_rate_log = 0.0
@@ -234,11 +238,9 @@ class Device:
                 elif pending:
                     self.step(pending.pop(0))
                 else:
-                    try:
-                        transition = self._requests.get(timeout=POLL_INTERVAL_MS / 1000)
-                    except queue.Empty:
-                        continue
-                    self.step(transition)
+                    transition = self._next_request()
+                    if transition is not None:
+                        self.step(transition)
         except BaseException:  # a second signal: leave fast, but still clean up
             self.close_channels(linger_ms=0)
             raise
@@ -247,6 +249,29 @@ class Device:
             if self._own_context:
                 self.context.term()
         return 1 if self.fsm.state is State.ERROR else 0
+
+    def _next_request(self) -> Transition | None:
+        """Wait up to POLL_INTERVAL_MS for a requested transition. With a bus, wake on
+        its socket: a command is handled at once, not at the next 100 ms tick."""
+        try:
+            return self._requests.get_nowait()
+        except queue.Empty:
+            pass
+        sock = getattr(self._bus, "socket", None)
+        if sock is None:
+            try:
+                return self._requests.get(timeout=POLL_INTERVAL_MS / 1000)
+            except queue.Empty:
+                return None
+        if sock.poll(POLL_INTERVAL_MS):
+            try:
+                self._bus.poll(self)
+            except Exception:
+                log.exception("device %s: bus client failed", self.id)
+        try:
+            return self._requests.get_nowait()
+        except queue.Empty:
+            return None
 
     def step(self, transition: Transition) -> bool:
         """Take ``transition`` now (driving thread only), run the hooks of the state it
@@ -283,6 +308,8 @@ class Device:
             return False
 
     def _open(self, binding: bool) -> None:
+        if self.exchange is not None:
+            self.channel_configs = list(self.exchange.channel_configs(self, binding))
         counts: dict[str, int] = {}
         for cfg in self.channel_configs:
             index = counts.get(cfg.name, 0)
@@ -295,6 +322,8 @@ class Device:
             subs.append(ch)
             subs.sort(key=lambda c: c.index)
             self.bad_messages[ch.label] = BadMessageCounter(f"{self.id}/{ch.label}", log)
+        if binding and self.exchange is not None:
+            self.exchange.published(self)
 
     def _do_binding(self) -> bool:
         self.channels = {}

@@ -99,3 +99,39 @@ def acknowledge(dev: Device, msg: Message, origin: Origin, **extra: Any) -> bool
         "%s: cannot acknowledge END on %s (no %r channel)", dev.id, ch.label, ch.name + ACK_SUFFIX
     )
     return False
+
+
+class EndTracker:
+    """Mixin for receivers that wait for one END per input (sink, forwarders).
+
+    ``peer_lost(peer_id)`` (the topology controller calls it over the bus when an
+    expendable peer died) stops waiting for that peer's END; the counts can then no
+    longer be checked against what the senders announced, and the summary says so.
+    """
+
+    _needed: int
+    ends: int
+
+    def _track_end(self, msg: Message) -> bool:
+        """Note an END; False if it comes from a peer already given up as lost (its END
+        was no longer waited for, so it must not stand in for another peer's)."""
+        sender = str(msg.header.get("from"))
+        self.__dict__.setdefault("ends_from", set()).add(sender)
+        return sender not in self.lost_peers
+
+    @property
+    def lost_peers(self) -> set[str]:
+        lost: set[str] = self.__dict__.setdefault("_lost_peers", set())
+        return lost
+
+    def peer_lost(self, peer_id: str) -> None:
+        """Stop waiting for ``peer_id``'s END; end the loop if no other END is due."""
+        dev: Any = self
+        if peer_id in self.__dict__.get("ends_from", ()) or peer_id in self.lost_peers:
+            return
+        self.lost_peers.add(peer_id)
+        log.warning("%s: peer %s was lost; not waiting for its END", dev.id, peer_id)
+        if hasattr(self, "_needed"):
+            self._needed -= 1
+            if self.ends >= self._needed:
+                dev._loop_stop = True

@@ -13,14 +13,14 @@ from typing import Any
 
 from evflow.params import Param
 from evflow.runtime.device import Device, Origin
-from evflow.runtime.devices._stream import acknowledge, send_end, wait_for_acks
+from evflow.runtime.devices._stream import EndTracker, acknowledge, send_end, wait_for_acks
 from evflow.transport.channel import Channel
 from evflow.wire.messages import Message, MsgType, encode_message
 
 log = logging.getLogger("evflow.device")
 
 
-class _Forwarder(Device):
+class _Forwarder(EndTracker, Device):
     in_channel = Param(str, "data-in", "input channel")
     out_channel = Param(str, "data-out", "output channel (sub-channels for the splitter)")
     inputs = Param(int, 0, "END messages to wait for (0 = one per input sub-channel)")
@@ -33,6 +33,7 @@ class _Forwarder(Device):
         self.ends = 0
         self._next = 0
         self._needed = self.inputs or len(self.channel_list(self.in_channel))
+        self._needed -= len(self.lost_peers)
         self.on_data(self.in_channel, self._handle)
 
     def _pick(self) -> int:
@@ -40,7 +41,8 @@ class _Forwarder(Device):
 
     def _handle(self, msg: Message, origin: Origin) -> bool:
         if msg.type is MsgType.END:
-            self.ends += 1
+            if self._track_end(msg):
+                self.ends += 1
             acknowledge(self, msg, origin, count=self.received)
             return self.ends < self._needed
         if msg.type is MsgType.ACK:
@@ -70,6 +72,7 @@ class _Forwarder(Device):
             "received": getattr(self, "received", 0),
             "sent": getattr(self, "sent", []),
             "ends": getattr(self, "ends", 0),
+            "lost_peers": sorted(self.lost_peers),
         }
         return out
 

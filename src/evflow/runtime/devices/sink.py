@@ -14,13 +14,13 @@ from typing import Any
 from evflow.errors import PeerLostError
 from evflow.params import Param
 from evflow.runtime.device import Device, Origin
-from evflow.runtime.devices._stream import acknowledge
+from evflow.runtime.devices._stream import EndTracker, acknowledge
 from evflow.wire.messages import Message, MsgType
 
 log = logging.getLogger("evflow.device")
 
 
-class Sink(Device):
+class Sink(EndTracker, Device):
     description = "counts and measures messages; checks the counts announced by END"
 
     channel_name = Param(str, "data", "input channel")
@@ -37,6 +37,7 @@ class Sink(Device):
         self._cpu_first = 0.0
         self._cpu_last = 0.0
         self._needed = self.inputs or len(self.channel_list(self.channel_name))
+        self._needed -= len(self.lost_peers)
         self.on_data(self.channel_name, self._handle)
 
     def _handle(self, msg: Message, origin: Origin) -> bool:
@@ -53,7 +54,8 @@ class Sink(Device):
             self._cpu_last = time.process_time()
             count = msg.header.get("count")
             self.announced += count if isinstance(count, int) else 0
-            self.ends += 1
+            if self._track_end(msg):
+                self.ends += 1
             acknowledge(self, msg, origin, count=self.received)
             return self.ends < self._needed
         self.other += 1
@@ -69,7 +71,13 @@ class Sink(Device):
             self.ends,
             self._needed,
         )
-        if self.ends >= self._needed and self.received != self.announced:
+        if self.lost_peers:
+            log.warning(
+                "%s: counts not checked: peer(s) %s were lost before their END",
+                self.id,
+                ", ".join(sorted(self.lost_peers)),
+            )
+        elif self.ends >= self._needed and self.received != self.announced:
             raise PeerLostError(
                 f"sink {self.id!r}: received {self.received} messages but the senders "
                 f"announced {self.announced}"
@@ -84,6 +92,7 @@ class Sink(Device):
             "received": received,
             "announced": getattr(self, "announced", 0),
             "ends": getattr(self, "ends", 0),
+            "lost_peers": sorted(self.lost_peers),
             "other": getattr(self, "other", 0),
             "payload_bytes": nbytes,
             "elapsed_s": elapsed,

@@ -1,0 +1,128 @@
+"""Start-up of a topology: time from ``evflow up`` to every device RUNNING.
+
+Run: python benchmarks/bench_topology.py [--devices 16,64,256] [--hosts 1] [--repeat 3]
+
+For N devices: N-2 samplers (1 message/s, 100 B) -> one merger -> one sink, all with
+the local launcher; with ``--hosts K`` the samplers spread round robin over K local
+agents (hosts h1..hK at 127.0.0.1; merger and sink on h1). Two figures per run:
+
+- ``wall``: from starting the ``evflow up`` process to its "devices RUNNING" line
+  (interpreter start and imports included: what a user waits for);
+- ``controller``: what the controller itself measured (its own start to the last
+  RUNNING state), and the laps it logs at debug level (agents up, spawned, each step).
+
+Each run is stopped with Ctrl-C afterwards (orderly shutdown); the stop time is shown
+too. The goal: 256 devices RUNNING within 3 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+LAP = re.compile(r"start-up: (.*) after ([0-9.]+) s")
+
+
+def topology(n: int, hosts: int) -> str:
+    placement = ", ".join(f'"h{i + 1}"' for i in range(hosts))
+    where = f"hosts = [{placement}]\n" if hosts > 1 else ""
+    pin = 'hosts = ["h1"]\n' if hosts > 1 else ""
+    return f"""name = "bench"
+[devices.sampler]
+class = "sampler"
+instances = {n - 2}
+{where}rate = 1.0
+params = {{ msg_size = 100 }}
+channels = [{{ name = "data", type = "dealer", connect = "merger.data-in" }}]
+[devices.merger]
+class = "merger"
+{pin}channels = [
+  {{ name = "data-in", type = "router", bind = true }},
+  {{ name = "data-out", type = "dealer", connect = "sink.data" }},
+]
+[devices.sink]
+class = "sink"
+{pin}channels = [{{ name = "data", type = "router", bind = true }}]
+"""
+
+
+def run_once(workdir: Path, n: int, hosts: int) -> dict[str, float]:
+    topo = workdir / f"bench{n}.toml"
+    topo.write_text(topology(n, hosts))
+    argv = [sys.executable, "-m", "evflow", "up", str(topo), "--quiet", "--severity", "debug"]
+    if hosts > 1:
+        hosts_file = workdir / "hosts.toml"
+        hosts_file.write_text(
+            "[hosts]\n" + "".join(f'h{i + 1} = {{ address = "127.0.0.1" }}\n' for i in range(hosts))
+        )
+        argv += ["--hosts", str(hosts_file)]
+    start = time.perf_counter()
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    assert proc.stderr is not None
+    laps: dict[str, float] = {}
+    buf = b""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stderr], [], [], 0.5)
+        if not ready:
+            continue
+        chunk = os.read(proc.stderr.fileno(), 65536)
+        if not chunk:
+            break
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        for raw in lines:
+            line = raw.decode(errors="replace")
+            if m := LAP.search(line):
+                laps[m.group(1)] = float(m.group(2))
+            if "devices RUNNING on" in line:
+                laps["wall"] = time.perf_counter() - start
+        if "wall" in laps:
+            break
+    stop = time.perf_counter()
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+    laps["stop"] = time.perf_counter() - stop
+    if "wall" not in laps:
+        raise SystemExit(f"{n} devices: never all RUNNING (laps {laps})")
+    return laps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", default="16,64,256")
+    parser.add_argument("--hosts", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    sizes = [int(x) for x in args.devices.split(",")]
+    with tempfile.TemporaryDirectory(prefix="evb-") as tmp:
+        os.environ["EVFLOW_RUNTIME_DIR"] = str(Path(tmp) / "rt")
+        print(f"{'devices':>7} {'hosts':>5} {'wall s':>7} {'ctrl s':>7} {'agents':>7} "
+              f"{'spawned':>8} {'stop s':>7}")  # fmt: skip
+        for n in sizes:
+            for _ in range(args.repeat):
+                laps = run_once(Path(tmp), n, args.hosts)
+                print(
+                    f"{n:>7} {args.hosts:>5} {laps['wall']:>7.2f} "
+                    f"{laps.get('all RUNNING', float('nan')):>7.2f} "
+                    f"{laps.get('agents up', float('nan')):>7.2f} "
+                    f"{laps.get('devices spawned', float('nan')):>8.2f} {laps['stop']:>7.2f}",
+                    flush=True,
+                )
+    print(f"load average at the end: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

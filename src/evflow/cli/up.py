@@ -1,0 +1,230 @@
+"""``evflow up TOPOLOGY.toml [--launcher local|ssh|slurm] [--hosts HOSTS.toml] [--detach]``.
+
+Starts one agent per host, walks every device to RUNNING, shows a live table, and
+returns when the topology ends: 0 when every device ended cleanly (or its loss was
+allowed by ``n_min``/``expendable``), 1 with one error line otherwise, 130 after
+Ctrl-C (an orderly shutdown of every host; a second Ctrl-C is fast). ``--detach``
+returns once every device is RUNNING; the controller goes on in the background
+(``evflow status``, ``evflow ctl``, ``evflow down`` reach it by session name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import signal
+import sys
+from typing import Any
+
+from evflow.errors import ConfigurationError, EvflowError
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "up",
+        help="start a topology of devices on one or many hosts",
+        description="Start every device of a topology file, walk them to RUNNING and "
+        "watch them until the topology ends (or Ctrl-C).",
+    )
+    parser.add_argument("topology", metavar="TOPOLOGY.toml")
+    parser.add_argument("--launcher", default="local", choices=("local", "ssh", "slurm"))
+    parser.add_argument("--hosts", default=None, metavar="HOSTS.toml", help="a [hosts] file")
+    parser.add_argument("--session", default="", help="session name (default: NAME-xxxxxx)")
+    parser.add_argument("--detach", action="store_true", help="return once all devices are RUNNING")
+    parser.add_argument(
+        "--stats-dir", default="", metavar="DIR", help="each device writes DIR/<id>.json at exit"
+    )
+    parser.add_argument(
+        "--preload",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="modules the agents import before forking devices (user device classes)",
+    )
+    parser.add_argument("--connect-timeout", type=float, default=None, metavar="S")
+    parser.add_argument("--start-timeout", type=float, default=60.0, metavar="S")
+    parser.add_argument("--grace", type=float, default=3.0, metavar="S", help="per stop group")
+    parser.add_argument("--quiet", action="store_true", help="no live table or state lines")
+    parser.add_argument(
+        "--severity", default="info", choices=("debug", "info", "warn", "error"), help="log level"
+    )
+    parser.add_argument("--notify-fd", type=int, default=-1, help=argparse.SUPPRESS)
+    parser.set_defaults(func=_handle)
+
+
+def session_name(name: str) -> str:
+    import uuid
+
+    base = re.sub(r"[^A-Za-z0-9_-]", "-", name)[:20] or "topology"
+    return f"{base}-{uuid.uuid4().hex[:6]}"
+
+
+def _load(args: argparse.Namespace) -> Any:
+    from evflow.topology.hosts import load_hosts
+    from evflow.topology.resolve import resolve
+    from evflow.topology.spec import load_topology
+
+    hosts = load_hosts(args.hosts) if args.hosts else None
+    return resolve(load_topology(args.topology, hosts))
+
+
+def _handle(args: argparse.Namespace) -> int:
+    holder: dict[str, Any] = {"ctrl": None, "early": 0}
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if holder["ctrl"] is not None:
+            holder["ctrl"].request_stop()
+        else:
+            holder["early"] += 1
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        topology = _load(args)
+        if args.session and not re.fullmatch(r"[A-Za-z0-9_-]{1,40}", args.session):
+            raise ConfigurationError(
+                f"--session {args.session!r}: use letters, digits, '_' and '-' (at most 40)"
+            )
+        session = args.session or session_name(topology.name)
+        if args.detach:
+            return _detach(args, session)
+        if holder["early"]:
+            return 130
+        return _run(args, topology, session, holder)
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def _run(args: argparse.Namespace, topology: Any, session: str, holder: dict[str, Any]) -> int:
+    from evflow.topology.controller import Controller
+    from evflow.topology.protocol import CONNECT_TIMEOUT_S
+    from evflow.topology.view import make_view
+
+    notify_fd = args.notify_fd
+    if notify_fd >= 0:
+        _log_to_session(session)
+    level = {"warn": logging.WARNING}.get(args.severity, getattr(logging, args.severity.upper()))
+    logging.basicConfig(
+        level=level, stream=sys.stderr, format="[%(asctime)s][%(levelname)s] %(message)s"
+    )
+    view = None if args.quiet or notify_fd >= 0 else make_view()
+
+    def on_up(ctrl: Any) -> None:
+        print(
+            f"{topology.name}: {len(ctrl.records)} devices RUNNING on {len(ctrl.hosts)} "
+            f"host(s) after {ctrl.running_after_s:.2f} s (session {session})",
+            file=sys.stderr,
+            flush=True,
+        )
+        _notify(args, "up\n")
+
+    if args.stats_dir:
+        os.makedirs(args.stats_dir, exist_ok=True)
+    ctrl = Controller(
+        topology,
+        session=session,
+        launcher=args.launcher,
+        stats_dir=os.path.abspath(args.stats_dir) if args.stats_dir else "",
+        connect_timeout_s=args.connect_timeout or CONNECT_TIMEOUT_S,
+        start_timeout_s=args.start_timeout,
+        grace_s=args.grace,
+        preload=tuple(args.preload),
+        view=view,
+        on_up=on_up,
+    )
+    holder["ctrl"] = ctrl
+    for _ in range(holder["early"]):
+        ctrl.request_stop()
+    try:
+        code = ctrl.run()
+    finally:
+        if view is not None:
+            view.close(ctrl)
+    _report(ctrl)
+    if ctrl.failure:
+        _notify(args, f"error: {ctrl.failure}\n")
+        if code != 130:
+            raise EvflowError(ctrl.failure)
+    _notify(args, "error: the topology stopped before all devices were RUNNING\n")
+    if code == 130:
+        print("evflow: interrupted", file=sys.stderr)
+    return code
+
+
+def _report(ctrl: Any) -> None:
+    """The end in a few lines: what the sinks counted, which devices were lost."""
+    for rec in ctrl.records.values():
+        sink = rec.summary.get("sink") if rec.summary else None
+        if sink:
+            print(
+                f"{rec.id} ({rec.host}): received {sink.get('received')} of "
+                f"{sink.get('announced')} announced, {sink.get('ends')} END",
+                file=sys.stderr,
+            )
+    lost = [r for r in ctrl.records.values() if r.lost]
+    for rec in lost[:20]:
+        print(f"{rec.id} ({rec.host}): lost: {rec.error or rec.message}", file=sys.stderr)
+    if len(lost) > 20:
+        print(f"... and {len(lost) - 20} more lost", file=sys.stderr)
+
+
+def _notify(args: argparse.Namespace, text: str) -> None:
+    if args.notify_fd < 0:
+        return
+    try:
+        os.write(args.notify_fd, text.encode())
+        os.close(args.notify_fd)
+    except OSError:
+        pass
+    args.notify_fd = -1
+
+
+def _log_to_session(session: str) -> None:
+    """A detached controller writes its log into its session directory."""
+    from evflow.transport.paths import session_dir
+
+    fd = os.open(session_dir(session) / "controller.log", os.O_WRONLY | os.O_CREAT, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _detach(args: argparse.Namespace, session: str) -> int:
+    """Start the controller in the background; return once it says all are RUNNING."""
+    import subprocess
+
+    read_fd, write_fd = os.pipe()
+    argv = [sys.executable, "-m", "evflow", "up", args.topology, "--launcher", args.launcher]
+    argv += ["--session", session, "--notify-fd", str(write_fd), "--grace", str(args.grace)]
+    argv += ["--start-timeout", str(args.start_timeout)]
+    if args.hosts:
+        argv += ["--hosts", args.hosts]
+    if args.stats_dir:
+        argv += ["--stats-dir", os.path.abspath(args.stats_dir)]
+    if args.connect_timeout:
+        argv += ["--connect-timeout", str(args.connect_timeout)]
+    for module in args.preload:
+        argv += ["--preload", module]
+    subprocess.Popen(
+        argv,
+        pass_fds=(write_fd,),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as pipe:
+        answer = pipe.readline().decode(errors="replace").strip()
+    if answer == "up":
+        print(f"session {session}: every device RUNNING", flush=True)
+        print(
+            f"  evflow status --session {session}\n  evflow down --session {session}",
+            flush=True,
+        )
+        return 0
+    if answer.startswith("error: "):
+        raise EvflowError(answer[len("error: ") :])
+    raise EvflowError(f"session {session}: the controller exited before the topology was up")

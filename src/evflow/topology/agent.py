@@ -1,0 +1,268 @@
+"""The host agent (``evflow agent``): one per host, a zygote + supervisor for its devices.
+
+Started by a launcher (local fork, ssh, srun) with everything it needs to reach the
+controller: ``evflow agent --bus PUB,SUB --session S --host NAME``. The rest comes over
+the bus (:mod:`evflow.topology.protocol`):
+
+1. pre-flight: session directories of dead owners on this host are removed (with their
+   shm segments); live sessions are reported;
+2. the zygote is forked before any zmq context (devices are copy-on-write forks of it,
+   with the device modules already imported);
+3. ``spawn`` forks the devices placed here (restart policy per device, from the spec);
+4. a heartbeat (METRICS with every device process's state) goes out every 0.25 s and at
+   once when a device exits; the controller's own heartbeat is watched: silence for
+   CONTROLLER_LOST_S stops everything here;
+5. ``shutdown`` / SIGTERM / SIGINT: devices get SIGTERM (their orderly FairMQ walk) in
+   stop order, SIGKILL after the grace; the host session's ipc files and shm go too.
+
+The agent dies -> its zygote and devices die (PDEATHSIG), and the controller notices
+the missing heartbeat.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+import zmq
+
+from evflow.errors import ConfigurationError
+from evflow.runtime.busclient import BusClient
+from evflow.runtime.supervisor import ExitEvent, Supervisor
+from evflow.topology.protocol import (
+    CONTROLLER_LOST_S,
+    HEARTBEAT_S,
+    PROTOCOL_VERSION,
+    agent_id,
+    host_session,
+)
+from evflow.wire.messages import MsgType
+
+log = logging.getLogger("evflow.agent")
+
+#: imported before the zygote forks, so that every device starts with them loaded
+PRELOAD = (
+    "evflow.runtime.device",
+    "evflow.runtime.busclient",
+    "evflow.runtime.devices.sampler",
+    "evflow.runtime.devices.sink",
+    "evflow.runtime.devices.forward",
+    "evflow.runtime.runner",
+    "evflow.topology.node",
+)
+
+
+def preflight(topology_session: str) -> dict[str, Any]:
+    """Remove leftovers of dead sessions on this host; list the live ones (other than
+    this topology's own: the controller's and its agents' sessions)."""
+    from evflow.transport.paths import runtime_base_dir
+    from evflow.transport.sessions import read_owner, remove_stale_sessions
+
+    removed = remove_stale_sessions()
+    live = []
+    base = runtime_base_dir()
+    try:
+        entries = sorted(base.iterdir())
+    except OSError:
+        entries = []
+    for path in entries:
+        owner = read_owner(path) if path.is_dir() else None
+        ours = path.name == topology_session or path.name.startswith(f"{topology_session}-")
+        if owner is not None and not ours and owner.alive():
+            live.append({"session": path.name, "pid": owner.pid})
+    return {"removed": removed, "live": live}
+
+
+class Agent:
+    """See the module docstring. ``run()`` returns the exit code."""
+
+    def __init__(
+        self,
+        bus: str,
+        session: str,
+        host: str,
+        *,
+        heartbeat_s: float = HEARTBEAT_S,
+        controller_lost_s: float = CONTROLLER_LOST_S,
+        grace_s: float = 3.0,
+    ) -> None:
+        self.bus = bus
+        self.session = session
+        self.host = host
+        self.node_id = agent_id(host)
+        self.local_session = host_session(session, host)
+        self.heartbeat_s = heartbeat_s
+        self.controller_lost_s = controller_lost_s
+        self.grace_s = grace_s
+        self.sup = Supervisor(self.local_session, bus=False)
+        self.devices: dict[str, dict[str, Any]] = {}
+        self.preflight: dict[str, Any] = {}
+        self._stop = False
+        self._signals = 0
+        self._last_controller = time.monotonic()
+        self._next_beat = 0.0
+        self.client: BusClient | None = None
+
+    # --- commands ------------------------------------------------------------------
+    def _spawn(self, args: dict[str, Any]) -> dict[str, Any]:
+        from evflow.topology.node import run_node
+
+        launches = args.get("devices")
+        if not isinstance(launches, list):
+            raise ConfigurationError("spawn needs a list of devices")
+        timeout_s = float(args.get("connect_timeout_s", 20.0))
+        stats_dir = str(args.get("stats_dir") or "")
+        pids = {}
+        for launch in launches:
+            dev_id = str(launch["id"])
+            if dev_id in self.sup.processes:
+                pids[dev_id] = self.sup.processes[dev_id].pid
+                continue  # a re-sent spawn: answered, not repeated
+            proc = self.sup.add_function(
+                dev_id,
+                run_node,
+                launch,
+                self.bus,
+                self.local_session,
+                timeout_s,
+                stats_dir,
+                restart=str(launch.get("restart", "never")),
+                max_restarts=int(launch.get("max_restarts", 3)),
+                stop_order=int(launch.get("stop_order", 0)),
+                grace_s=self.grace_s,
+            )
+            pids[dev_id] = proc.pid
+            self.devices[dev_id] = {"pid": proc.pid, "state": "running", "restarts": 0}
+            self._maybe_beat()  # hundreds of forks must not look like a lost host
+        return {"node_id": self.node_id, "pids": pids}
+
+    def _shutdown(self, args: dict[str, Any]) -> dict[str, Any]:
+        self.grace_s = float(args.get("grace_s", self.grace_s))
+        self._stop = True
+        return {"node_id": self.node_id, "stopping": True}
+
+    def _heartbeat(self, args: dict[str, Any]) -> dict[str, Any]:
+        self._last_controller = time.monotonic()
+        return {"node_id": self.node_id}
+
+    # --- heartbeat -----------------------------------------------------------------
+    def _on_exit(self, event: ExitEvent) -> None:
+        entry = self.devices.setdefault(event.name, {})
+        entry.update(
+            pid=event.pid,
+            state=event.outcome,
+            returncode=event.returncode,
+            message=event.message,
+            restarts=event.restarts,
+        )
+        proc = self.sup.processes.get(event.name)
+        if proc is not None and proc.state == "running":  # restarted at once
+            entry.update(state="running", pid=proc.pid)
+        self._next_beat = 0.0
+
+    def _maybe_beat(self, agent_state: str = "RUNNING") -> None:
+        now = time.monotonic()
+        if now < self._next_beat or self.client is None:
+            return
+        self._next_beat = now + self.heartbeat_s
+        for name, proc in self.sup.processes.items():  # restarts started by poll()
+            entry = self.devices.setdefault(name, {})
+            if proc.state == "running" and entry.get("pid") != proc.pid:
+                entry.update(state="running", pid=proc.pid, restarts=proc.restarts)
+        header = {
+            "from": self.node_id,
+            "metrics": {
+                "node_id": self.node_id,
+                "node_state": agent_state,
+                "pid": os.getpid(),
+                "agent": {
+                    "version": PROTOCOL_VERSION,
+                    "host": self.host,
+                    "session": self.local_session,
+                    "pid": os.getpid(),
+                    "preflight": self.preflight,
+                    "devices": self.devices,
+                },
+            },
+        }
+        self.client.publish(MsgType.METRICS, header)
+
+    # --- main loop -----------------------------------------------------------------
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._signals += 1
+        self._stop = True
+        if self._signals > 1:
+            self.sup._fast = True
+
+    def run(self) -> int:
+        from evflow.transport.sessions import claim_session
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        self.preflight = preflight(self.session)
+        # what is loaded now stays out of the collector's way: forked devices then share
+        # these pages instead of copying them when the collector walks them
+        gc.collect()
+        gc.freeze()
+        self.sup.start()  # the zygote forks now: before any zmq context
+        self.sup.on_exit(self._on_exit)
+        claim_session(self.local_session)
+        context: zmq.Context[Any] = zmq.Context()
+        try:
+            self.client = BusClient(context, self.node_id, self.bus)
+            self.client.handle("spawn", self._spawn)
+            self.client.handle("shutdown", self._shutdown)
+            self.client.handle("heartbeat", self._heartbeat)
+            self._loop()
+        finally:
+            self.sup.shutdown(fast=self._signals > 1)
+            self.sup.close()
+            if self.client is not None:
+                self._next_beat = 0.0
+                self._maybe_beat("EXITING")
+                self.client.close()
+            context.destroy(linger=200)
+        return 0
+
+    def _loop(self) -> None:
+        assert self.client is not None
+        poller = zmq.Poller()
+        poller.register(self.client.socket, zmq.POLLIN)
+        poller.register(self.sup.fileno(), zmq.POLLIN)
+        self._last_controller = time.monotonic()
+        while not self._stop:
+            poller.poll(int(self.heartbeat_s * 1000 / 2))
+            self.sup.poll(0)
+            self.client.poll()
+            self._maybe_beat()
+            silent_s = time.monotonic() - self._last_controller
+            if silent_s > self.controller_lost_s:
+                log.error(
+                    "agent %s: no heartbeat from the controller for %.1f s; stopping",
+                    self.host,
+                    silent_s,
+                )
+                return
+
+
+def run_agent(
+    bus: str,
+    session: str,
+    host: str,
+    preload: list[str] | tuple[str, ...] = (),
+    controller_lost_s: float = CONTROLLER_LOST_S,
+) -> int:
+    """``evflow agent``: import the device modules, then run the agent until told to stop."""
+    for name in (*PRELOAD, *preload):
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ConfigurationError(
+                f"agent {host!r}: cannot import {name!r} ({exc}); is it on PYTHONPATH there?"
+            ) from None
+    return Agent(bus, session, host, controller_lost_s=controller_lost_s).run()

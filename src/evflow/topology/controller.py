@@ -1,0 +1,389 @@
+"""The topology controller (``evflow up``): start the hosts, walk the devices, watch them.
+
+1. **Start**: pre-flight (leftovers of dead sessions removed), the bus proxy (a zygote
+   child, ipc and, for other hosts, tcp), one agent per host through the launcher,
+   wait for each agent's first heartbeat, ``spawn`` the devices placed there.
+2. **Walk** every device through FairMQ's sequence over the bus, one step for all at a
+   time (INIT_DEVICE, COMPLETE_INIT, BIND, CONNECT, INIT_TASK, RUN); before CONNECT
+   the endpoints the binders published are pushed to everyone.
+3. **Watch**: agent heartbeats (a host silent for HOST_LOST_S that does not answer a
+   ping within PROBE_S is lost), device exits,
+   the desired state (``n_min``/``expendable``): a tolerated loss is shown and the
+   consumers of a lost device stop waiting for its END; any other loss stops the
+   topology with one message naming the host or device.
+4. **Shut down** (end, Ctrl-C, ``evflow down``, a loss): END over the bus in stop order
+   (sources first; each device walks STOP, RESET_TASK, RESET_DEVICE, END), then each
+   agent's ``shutdown`` (SIGKILL after the grace), then the launchers' handles;
+   session directories and shm segments of every host of this machine are removed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import zmq
+
+from evflow.errors import ConfigurationError, EvflowError, PeerLostError
+from evflow.runtime.supervisor import Supervisor
+from evflow.topology.intake import ControllerBus
+from evflow.topology.launch.base import AgentHandle, get_launcher
+from evflow.topology.protocol import (
+    CONNECT_TIMEOUT_S,
+    CONTROLLER_ID,
+    HEARTBEAT_S,
+    HOST_LOST_S,
+    PROBE_S,
+    agent_id,
+    host_session,
+)
+from evflow.topology.records import DeviceRecord, HostRecord, violations
+from evflow.topology.resolve import ResolvedTopology
+from evflow.topology.startup import STAGES, StartupSteps
+
+log = logging.getLogger("evflow.topology")
+
+
+#: (transition, state reached once it is done, first state after the transition)
+class Interrupted(EvflowError):
+    """Ctrl-C / SIGTERM / ``evflow down`` while starting."""
+
+
+class Controller(StartupSteps):
+    """See the module docstring. ``run()`` does it all and returns the exit code;
+    ``failure`` then holds the one error message (if any)."""
+
+    def __init__(
+        self,
+        topology: ResolvedTopology,
+        *,
+        session: str,
+        launcher: str = "local",
+        stats_dir: str = "",
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        start_timeout_s: float = 60.0,
+        grace_s: float = 3.0,
+        preload: tuple[str, ...] = (),
+        view: Any = None,
+        on_up: Any = None,
+    ) -> None:
+        self.topology = topology
+        self.session = session
+        try:
+            self.launcher = get_launcher(launcher)
+        except ImportError as exc:
+            raise ConfigurationError(
+                f"launcher {launcher!r} is not available here ({exc}); use --launcher local"
+            ) from None
+        self.local = launcher == "local"
+        self.stats_dir = stats_dir
+        self.connect_timeout_s = connect_timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.grace_s = grace_s
+        self.preload = preload
+        self.view = view
+        self.on_up = on_up
+        self.records = {d.id: DeviceRecord(d) for d in topology.devices.values()}
+        self.hosts = {h: HostRecord(h) for h in sorted({d.host for d in topology.devices.values()})}
+        self.handles: dict[str, AgentHandle] = {}
+        self.phase = "starting"
+        self.failure: str | None = None
+        self.signals = 0
+        self.down_requested = False
+        self._reported: set[str] = set()
+        self._next_beat = 0.0
+        self._last_tick_s = time.monotonic()
+        self.sup = Supervisor(session, bus=True, bus_addresses=self._bus_addresses())
+        self._context: zmq.Context[Any] | None = None
+        self.bus: ControllerBus | None = None
+        self.started_s = time.monotonic()
+        self.running_after_s: float | None = None
+
+    def _bus_addresses(self) -> tuple[str, str] | None:
+        if self.local:
+            return None
+        return ("ipc://bus-in.ipc;tcp://*:0", "ipc://bus-out.ipc;tcp://*:0")
+
+    # --- the whole life ------------------------------------------------------------
+    def request_stop(self) -> None:
+        """Signal handler side: first call = orderly, second = fast."""
+        self.signals += 1
+
+    @property
+    def stopping(self) -> bool:
+        return self.signals > 0 or self.down_requested
+
+    def run(self) -> int:
+        code = 1
+        try:
+            self.start()
+            if self.on_up is not None:
+                self.on_up(self)
+            code = self.watch()
+        except Interrupted:
+            code = 0 if self.down_requested and not self.signals else 130
+        except EvflowError as exc:
+            if self.failure is not None and self.bus is not None:
+                self._collect_errors()  # the failed devices' own words
+            self.failure = self.failure or str(exc)
+            code = 1
+        finally:
+            try:
+                self.shutdown(fast=self.signals > 1)
+            finally:
+                self.close()
+        return code
+
+    # --- start ---------------------------------------------------------------------
+    def start(self) -> None:
+        from evflow.transport.sessions import claim_session, remove_stale_sessions
+
+        removed = remove_stale_sessions()
+        if removed:
+            log.info("pre-flight: removed leftovers of dead session(s) %s", ", ".join(removed))
+        self.sup.start()  # zygote and bus proxy, before our own zmq context
+        claim_session(self.session)
+        (self._session_dir() / "topology.json").write_text(
+            json.dumps({"version": 1, "topology": self.topology.name, "pid": os.getpid()})
+        )
+        self._context = zmq.Context()
+        endpoints = self.sup.bus_endpoints
+        self.bus = ControllerBus(self._context, endpoints, self.records, self.hosts, self._answer)
+        self._wait_bus()
+        agent_bus = self._agent_bus(endpoints)
+        for name in self.hosts:
+            self._check_interrupt()
+            host = self.topology.hosts[name]
+            args = ["--bus", agent_bus(host.address), "--session", self.session, "--host", name]
+            for module in self.preload:
+                args += ["--preload", module]
+            self.handles[name] = self.launcher.start_agent(host, args, self._agent_env())
+        self._wait_agents()
+        self._lap("agents up")
+        self._spawn()
+        self._lap("devices spawned")
+        for transition, target, moved in STAGES:
+            if transition == "CONNECT":
+                self._push_properties()
+            self._stage(transition, target, moved)
+            self._lap(f"all {target}")
+        self.phase = "running"
+        self.running_after_s = time.monotonic() - self.started_s
+        log.info(
+            "topology %s: %d devices RUNNING on %d host(s) after %.2f s",
+            self.topology.name,
+            len(self.records),
+            len(self.hosts),
+            self.running_after_s,
+        )
+
+    def _lap(self, what: str) -> None:
+        log.debug("start-up: %s after %.3f s", what, time.monotonic() - self.started_s)
+
+    def _session_dir(self) -> Any:
+        from evflow.transport.paths import session_dir
+
+        return session_dir(self.session)
+
+    def _agent_env(self) -> dict[str, str]:
+        return {k: os.environ[k] for k in ("EVFLOW_RUNTIME_DIR", "PYTHONPATH") if k in os.environ}
+
+    def _check_interrupt(self) -> None:
+        if self.stopping:
+            raise Interrupted("interrupted")
+        if self.failure is not None:
+            raise PeerLostError(self.failure)
+
+    def _tick(self, timeout_s: float) -> None:
+        """One turn of the loop: bus traffic, heartbeats, hosts, losses, the view."""
+        assert self.bus is not None
+        self.bus.pump(timeout_s)
+        now = time.monotonic()
+        # were we starved (a loaded machine)? then silence says nothing about the hosts
+        starved = now - self._last_tick_s > HOST_LOST_S / 2
+        self._last_tick_s = now
+        if now >= self._next_beat:
+            self._next_beat = now + HEARTBEAT_S
+            live = [agent_id(h) for h, r in self.hosts.items() if not r.lost]
+            if live:
+                self.bus.tell("heartbeat", live)
+        if not starved:
+            self._check_hosts(now)
+        self._check_losses()
+        if self.phase == "running":
+            self._rewalk(now)
+        if self.view is not None:
+            self.view.update(self)
+        if self.phase == "starting":
+            self._check_interrupt()
+
+    def _check_hosts(self, now: float) -> None:
+        for name, rec in self.hosts.items():
+            if rec.lost or rec.exited or rec.last_beat_s is None:
+                continue  # an agent not heard yet is _wait_agents' business
+            handle = self.handles.get(name)
+            code = handle.poll() if handle is not None else None
+            silent_s = now - rec.last_beat_s if rec.last_beat_s is not None else 0.0
+            if code is None and silent_s <= HOST_LOST_S:
+                rec.probe_until_s = None
+                continue
+            if code is None and rec.probe_until_s is None:
+                rec.probe_until_s = now + PROBE_S
+                assert self.bus is not None
+                self.bus.tell("ping", [agent_id(name)])
+                continue
+            if code is None and rec.probe_until_s is not None and now < rec.probe_until_s:
+                continue
+            if self.phase == "stopping" and code is not None:
+                rec.exited = True
+                continue
+            rec.lost = True
+            why = (
+                f"its agent exited with code {code}"
+                if code is not None
+                else f"no heartbeat for {silent_s:.1f} s"
+            )
+            gone = [d for d in self.records.values() if d.host == name and not d.ended]
+            for dev in gone:
+                dev.process, dev.message = "lost", f"host {name!r} lost ({why})"
+            log.error(
+                "host %r lost (%s): device(s) %s lost",
+                name,
+                why,
+                ", ".join(d.id for d in gone) or "none",
+            )
+
+    def _check_losses(self) -> None:
+        assert self.bus is not None
+        fresh = [r for r in self.records.values() if r.lost and r.id not in self._reported]
+        if not fresh or self.phase == "stopping":
+            return
+        self._reported.update(r.id for r in fresh)
+        for rec in fresh:
+            if rec.process != "lost":
+                log.error("device %s on host %s lost: %s", rec.id, rec.host, rec.message)
+        broken = violations(self.topology.groups, self.records)
+        if broken:
+            hosts = sorted({r.host for r in fresh if self.hosts[r.host].lost})
+            cause = (
+                f"host{'s' if len(hosts) > 1 else ''} {', '.join(map(repr, hosts))} lost"
+                if hosts
+                else f"device(s) {', '.join(r.id for r in fresh)} lost"
+            )
+            self.failure = f"{cause}: {'; '.join(broken)}; stopping the topology"
+            return
+        for rec in fresh:
+            log.warning("lost %s: tolerated (n_min/expendable); the rest goes on", rec.id)
+            for consumer, _channel in self.topology.consumers.get(rec.id, []):
+                if not self.records[consumer].ended:
+                    self.bus.tell("peer-lost", [consumer], {"peer": rec.id})
+
+    def watch(self) -> int:
+        """Until every device ended, a loss breaks the desired state, or a stop request."""
+        while not all(r.ended for r in self.records.values()):
+            self._tick(0.1)
+            if self.failure is not None:
+                self._collect_errors()
+                return 1
+            if self.stopping:
+                return 0 if self.down_requested and not self.signals else 130
+        self._collect_errors()
+        failed = [r for r in self.records.values() if r.lost]
+        if violations(self.topology.groups, self.records):
+            self.failure = "device(s) failed: " + "; ".join(
+                f"{r.id} on {r.host}: {r.error or r.message}" for r in failed
+            )
+            return 1
+        return 0
+
+    def _collect_errors(self, wait_s: float = 0.3) -> None:
+        """Give the final reports (errors, summaries) of ended devices a moment to arrive."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            assert self.bus is not None
+            self.bus.pump(0.05)
+        errors = [f"{r.id}: {r.error}" for r in self.records.values() if r.lost and r.error]
+        if self.failure and errors:
+            self.failure += " (" + "; ".join(errors[:5]) + ")"
+
+    # --- CLI commands over the bus ------------------------------------------------------
+    def _answer(self, cmd: str, args: dict[str, Any]) -> dict[str, Any]:
+        if cmd == "status":
+            return self.status()
+        if cmd == "down":
+            self.down_requested = True
+            return {"node_id": CONTROLLER_ID, "stopping": True}
+        if cmd in ("check-state", "get-metrics"):
+            now = time.time()
+            return {
+                "node_id": CONTROLLER_ID,
+                "node_state": self.phase.upper(),
+                "pid": os.getpid(),
+                "request_timestamp": now,
+                "response_timestamp": now,
+            }
+        raise ConfigurationError(f"unknown command {cmd!r}; the controller knows status, down")
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "topology": self.topology.name,
+            "session": self.session,
+            "phase": self.phase,
+            "pid": os.getpid(),
+            "hosts": [
+                {"name": h, "lost": r.lost, "agent_pid": r.pid} for h, r in self.hosts.items()
+            ],
+            "devices": [r.row() for r in self.records.values()],
+        }
+
+    # --- shutdown ----------------------------------------------------------------------
+    def shutdown(self, fast: bool = False) -> None:
+        if self.bus is None:
+            return
+        self.phase = "stopping"
+        levels = sorted({r.spec.stop_order for r in self.records.values()})
+        for level in levels if not fast else ():
+            # devices no agent reported yet are left to the agents' shutdown below
+            group = [r for r in self.records.values() if r.spec.stop_order == level]
+            deadline = time.monotonic() + self.grace_s
+            next_send = 0.0
+            while (alive := [r.id for r in group if r.process in ("running", "restarting")]) and (
+                time.monotonic() < deadline
+            ):
+                if self.signals > 1:
+                    break
+                if time.monotonic() >= next_send:
+                    next_send = time.monotonic() + 0.5
+                    self.bus.tell("transition", alive, {"transition": "END"}, quiet=True)
+                self._tick(0.05)
+        live = [h for h, r in self.hosts.items() if not r.lost and not r.exited]
+        if live:
+            grace = 0.0 if fast or self.signals > 1 else 1.0
+            self.bus.tell("shutdown", [agent_id(h) for h in live], {"grace_s": grace})
+        deadline = time.monotonic() + 3.0 + self.grace_s
+        while any(h.poll() is None for h in self.handles.values()) and time.monotonic() < deadline:
+            self.bus.pump(0.05)
+        self.bus.pump(0.05)
+
+    def close(self) -> None:
+        from evflow.transport.paths import remove_session_files
+        from evflow.transport.sessions import remove_stale_sessions
+
+        for handle in self.handles.values():
+            handle.terminate(grace_s=1.0)
+        if self.bus is not None:
+            self.bus.close()
+            self.bus = None
+        if self._context is not None:
+            self._context.term()
+            self._context = None
+        if self.sup.zygote.pid is not None:
+            self.sup.shutdown(fast=self.signals > 1)  # the bus proxy: SIGTERM, then SIGKILL
+        self.sup.close()
+        if self.local:  # every agent ran here and is gone: its session files go too
+            for name in self.hosts:
+                remove_session_files(host_session(self.session, name))
+        remove_stale_sessions()

@@ -1,0 +1,167 @@
+"""The endpoint exchange of one topology device, on a real bus proxy (in a thread)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from evflow.errors import PeerLostError
+from evflow.runtime.bus import BusClient, BusProxy
+from evflow.runtime.devices.sink import Sink
+from evflow.topology.node import Exchange
+from evflow.topology.resolve import ResolvedChannel, ResolvedDevice
+from evflow.wire.messages import MsgType, encode_message
+
+EXAMPLES = Path(__file__).parent.parent / "examples" / "topologies"
+
+
+@pytest.fixture
+def bus() -> Any:
+    context: zmq.Context[Any] = zmq.Context()
+    proxy = BusProxy(context, "xchg")
+    proxy.start_thread()
+    yield context, str(proxy.endpoints)
+    proxy.close()
+    context.term()
+
+
+def launch(connect: list[tuple[str, bool]]) -> ResolvedDevice:
+    channels = [ResolvedChannel("data", "pull", connect=connect)]
+    return ResolvedDevice("sink", "sink", "sink", "localhost", 0, {}, channels)
+
+
+def test_a_missing_peer_endpoint_is_one_error_naming_the_peer(bus: Any) -> None:
+    context, endpoints = bus
+    client = BusClient(context, "sink", endpoints)
+    device = Sink("sink", context=context)
+    exchange = Exchange(client, launch([("merger.data-out", True)]), timeout_s=0.5)
+    try:
+        started = time.monotonic()
+        with pytest.raises(PeerLostError) as info:
+            exchange.channel_configs(device, binding=False)
+        assert time.monotonic() - started < 5
+        message = str(info.value)
+        assert "device 'sink'" in message and "merger.data-out" in message
+        assert "peer merger did not bind" in message
+    finally:
+        client.close()
+
+
+def test_pushed_endpoints_are_used_ipc_on_the_host_tcp_across(bus: Any) -> None:
+    context, endpoints = bus
+    client = BusClient(context, "sink", endpoints)
+    device = Sink("sink", context=context)
+    spec = launch([("merger_0.data-out", True), ("merger_1.data-out", False)])
+    exchange = Exchange(client, spec, timeout_s=10)
+    exchange.attach(device)
+    props = {
+        "merger_0.data-out": ["ipc:///tmp/x/a.ipc", "tcp://10.0.0.1:4000"],
+        "merger_1.data-out": ["ipc:///tmp/y/b.ipc", "tcp://10.0.0.2:4001"],
+    }
+    pub = context.socket(zmq.PUB)
+    pub.connect(endpoints.split(",")[0])
+    stop = threading.Event()
+
+    def controller() -> None:  # pushes until the device has them, like the real one
+        while not stop.is_set():
+            header = {"cmd": "set-properties", "to": ["sink"], "req": "", "from": "controller"}
+            pub.send_multipart(
+                encode_message(MsgType.COMMAND, {**header, "args": {"properties": props}})
+            )
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=controller, daemon=True)
+    thread.start()
+    try:
+        configs = exchange.channel_configs(device, binding=False)
+    finally:
+        stop.set()
+        thread.join()
+        pub.close(0)
+        client.close()
+    (config,) = configs
+    assert config.method == "connect"
+    assert config.address == "ipc:///tmp/x/a.ipc;tcp://10.0.0.2:4001"
+
+
+def test_pre_flight_removes_leftovers_of_a_dead_session(tmp_path: Path, _runtime_dir: Path) -> None:
+    """A session directory and shm segment of a dead owner are gone after evflow up."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    stale = _runtime_dir / "old-topo-localhost"
+    stale.mkdir()
+    (stale / "data-0-1234.ipc").write_text("")
+    import socket
+
+    owner = {"version": 1, "pid": int(dead.stdout), "started_s": 1.0, "host": socket.gethostname()}
+    (stale / "owner.json").write_text(json.dumps(owner))
+    shm = Path("/dev/shm") / "evflow-old-topo-localhost-seg"
+    shm.write_bytes(b"x")
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "evflow", "up", str(EXAMPLES / "fan_in.toml"), "--quiet"],
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert "removed leftovers of dead session(s) old-topo-localhost" in proc.stderr
+        assert not stale.exists() and not shm.exists()
+    finally:
+        shm.unlink(missing_ok=True)
+
+
+def test_commands_to_a_list_of_ids_a_regex_and_quiet_ones(bus: Any) -> None:
+    """``to`` may be a list, ``select`` a regex; ``quiet`` commands run without a REPLY."""
+    from evflow.runtime.bus import BusController
+
+    context, endpoints = bus
+    done: dict[str, list[str]] = {"a1": [], "a2": [], "b1": []}
+    clients = {
+        name: BusClient(context, name, endpoints, on_transition=done[name].append) for name in done
+    }
+    ctl = BusController(context, endpoints, name="ctl")
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            for client in clients.values():
+                client.poll()
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        ctl.connect()
+        header = {"cmd": "transition", "to": ["a1", "b1"], "req": "l1", "from": "ctl"}
+        ctl._pub.send(encode_message(MsgType.COMMAND, {**header, "args": {"transition": "RUN"}}))
+        answered: set[str] = set()
+        deadline = time.monotonic() + 5
+        while answered != {"a1", "b1"} and time.monotonic() < deadline:
+            msg = ctl._recv(0.05)
+            if msg is not None and msg.type is MsgType.REPLY and msg.header["req"] == "l1":
+                answered.add(msg.header["from"])
+        assert answered == {"a1", "b1"}
+        replies = ctl.request("transition", "*", {"transition": "STOP"}, timeout_s=1.0, select="a.")
+        assert sorted(r["from"] for r in replies) == ["a1", "a2"]
+        header = {"cmd": "transition", "to": ["a2"], "req": "q1", "from": "ctl", "quiet": True}
+        ctl._pub.send(encode_message(MsgType.COMMAND, {**header, "args": {"transition": "END"}}))
+        deadline = time.monotonic() + 5
+        while not done["a2"][2:] and time.monotonic() < deadline:
+            msg = ctl._recv(0.05)
+            assert msg is None or msg.type is not MsgType.REPLY or msg.header["req"] != "q1"
+    finally:
+        stop.set()
+        thread.join()
+        ctl.close()
+        for client in clients.values():
+            client.close()
+    assert done == {"a1": ["RUN", "STOP"], "a2": ["STOP", "END"], "b1": ["RUN"]}

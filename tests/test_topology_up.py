@@ -1,0 +1,379 @@
+"""``evflow up`` with the local launcher: real agents, devices, bus and sockets.
+
+Several hosts are simulated on this machine: hosts named h1, h2, h3 at 127.0.0.1, each
+with its own agent process (so devices of different hosts talk tcp). Every test also
+relies on the autouse fixture of conftest.py: no process, ipc file or shm segment may
+outlive it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+EXAMPLES = Path(__file__).parent.parent / "examples" / "topologies"
+HOSTS3 = "[hosts]\n" + "".join(f'h{i} = {{ address = "127.0.0.1" }}\n' for i in (1, 2, 3))
+
+
+def evflow(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "evflow", *args], capture_output=True, text=True, timeout=timeout_s
+    )
+
+
+def start_up(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "evflow", "up", "--quiet", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+class Lines:
+    """Read a process's stderr line by line with deadlines (never blocks past them)."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+        self.seen: list[tuple[float, str]] = []
+        self._buf = b""
+
+    def wait_for(self, text: str, timeout_s: float) -> float:
+        """The monotonic time at which a line containing ``text`` was read."""
+        for t, line in self.seen:
+            if text in line:
+                return t
+        assert self.proc.stderr is not None
+        fd = self.proc.stderr.fileno()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 0.05)
+            if not ready:
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            self._buf += chunk
+            *lines, self._buf = self._buf.split(b"\n")
+            now = time.monotonic()
+            for raw in lines:
+                line = raw.decode(errors="replace")
+                self.seen.append((now, line))
+                if text in line:
+                    return now
+        raise AssertionError(
+            f"no line with {text!r} within {timeout_s} s; got:\n"
+            + "\n".join(line for _, line in self.seen[-30:])
+        )
+
+    def finish(self, timeout_s: float = 60) -> tuple[int, str]:
+        try:
+            _, rest = self.proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, rest = self.proc.communicate()
+            raise AssertionError("evflow up did not finish") from None
+        text = "\n".join(line for _, line in self.seen) + "\n" + self._buf.decode() + rest
+        return self.proc.returncode, text
+
+
+def stats(stats_dir: Path) -> dict[str, dict[str, Any]]:
+    return {p.stem: json.loads(p.read_text()) for p in stats_dir.glob("*.json")}
+
+
+def check_delivery(found: dict[str, dict[str, Any]], samplers: int) -> None:
+    sent = [v["sampler"]["sent"] for k, v in found.items() if k.startswith("sampler")]
+    assert len(sent) == samplers
+    assert all(v["sampler"]["acked"] == 1 for k, v in found.items() if k.startswith("sampler"))
+    sink = found["sink"]["sink"]
+    assert sink["received"] == sink["announced"] == sum(sent)
+    assert sink["ends"] == 1
+
+
+@pytest.mark.parametrize(("example", "samplers"), [("fan_in", 4), ("two_layer", 8)])
+def test_examples_deliver_every_message(tmp_path: Path, example: str, samplers: int) -> None:
+    out = tmp_path / "stats"
+    proc = evflow("up", str(EXAMPLES / f"{example}.toml"), "--stats-dir", str(out))
+    assert proc.returncode == 0, proc.stderr
+    found = stats(out)
+    check_delivery(found, samplers)
+    assert "RUNNING on 1 host(s)" in proc.stderr
+    assert all(v["host"] == "localhost" for v in found.values())
+
+
+def test_three_hosts_example_on_three_local_agents(tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(HOSTS3)
+    out = tmp_path / "stats"
+    proc = evflow(
+        "up", str(EXAMPLES / "three_hosts.toml"), "--hosts", str(hosts), "--stats-dir", str(out)
+    )
+    assert proc.returncode == 0, proc.stderr
+    found = stats(out)
+    check_delivery(found, 3)
+    placed = {k: v["host"] for k, v in found.items()}
+    assert placed == {
+        "sampler_0": "h1",
+        "sampler_1": "h2",
+        "sampler_2": "h3",
+        "merger": "h2",
+        "sink": "h3",
+    }
+
+
+SLOW = """
+name = "slow"
+[devices.sampler]
+class = "sampler"
+instances = 4
+hosts = ["h1", "h2"]
+expendable = EXPENDABLE
+rate = 200
+max_iterations = 1000
+params = { msg_size = 100 }
+channels = [{ name = "data", type = "dealer", connect = "merger.data-in" }]
+[devices.merger]
+class = "merger"
+hosts = ["h1"]
+channels = [
+  { name = "data-in", type = "router", bind = true },
+  { name = "data-out", type = "dealer", connect = "sink.data" },
+]
+[devices.sink]
+class = "sink"
+hosts = ["h1"]
+channels = [{ name = "data", type = "router", bind = true }]
+"""
+
+
+def slow_topology(tmp_path: Path, expendable: bool) -> tuple[Path, Path]:
+    topo = tmp_path / "slow.toml"
+    topo.write_text(SLOW.replace("EXPENDABLE", "true" if expendable else "false"))
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(HOSTS3)
+    return topo, hosts
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for whoever adopted it is not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def agent_pid(session: str, host: str) -> int:
+    proc = evflow("status", "--session", session, "--json", timeout_s=30)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert {d["id"]: d["state"] for d in data["devices"]}["sink"] == "RUNNING"
+    return int(next(h["agent_pid"] for h in data["hosts"] if h["name"] == host))
+
+
+@pytest.mark.parametrize("how", ["kill", "hang"])
+def test_lost_host_with_expendable_devices_lets_the_rest_finish(tmp_path: Path, how: str) -> None:
+    """SIGKILL (seen by the launcher) or SIGSTOP (seen by the missing heartbeat) of the
+    agent of h2: its samplers are lost, reported within 2 s; the merger stops waiting
+    for their END and the sink's counts still check out."""
+    topo, hosts = slow_topology(tmp_path, expendable=True)
+    out = tmp_path / "stats"
+    session = f"loss{how}"
+    proc = start_up(str(topo), "--hosts", str(hosts), "--session", session, "--stats-dir", str(out))
+    lines = Lines(proc)
+    try:
+        lines.wait_for("devices RUNNING", 60)
+        pid = agent_pid(session, "h2")
+        killed_at = time.monotonic()
+        os.kill(pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        reported_at = lines.wait_for("host 'h2' lost", 10)
+        assert reported_at - killed_at < 2.0
+        code, text = lines.finish()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 0, text
+    assert "sampler_1, sampler_3 lost" in text
+    assert ("no heartbeat for" if how == "hang" else "its agent exited with code -9") in text
+    found = stats(out)
+    sink = found["sink"]["sink"]
+    assert sink["received"] == sink["announced"] > 0
+    assert found["merger"]["forwarded"]["lost_peers"] == ["sampler_1", "sampler_3"]
+    for dev in ("sampler_0", "sampler_2"):
+        assert found[dev]["sampler"]["sent"] == 1000 and found[dev]["sampler"]["acked"] == 1
+
+
+def test_lost_host_below_n_min_stops_the_topology_with_one_message(tmp_path: Path) -> None:
+    topo, hosts = slow_topology(tmp_path, expendable=False)
+    session = "lossfatal"
+    proc = start_up(str(topo), "--hosts", str(hosts), "--session", session)
+    lines = Lines(proc)
+    try:
+        lines.wait_for("devices RUNNING", 60)
+        os.kill(agent_pid(session, "h2"), signal.SIGKILL)
+        code, text = lines.finish()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 1, text
+    errors = [line for line in text.splitlines() if line.startswith("evflow: error:")]
+    assert len(errors) == 1, text
+    assert "host 'h2' lost" in errors[0]
+    assert "device 'sampler' needs n_min=4 copies, 2 left" in errors[0]
+    assert "stopping the topology" in errors[0]
+
+
+def test_detach_status_ctl_and_down(tmp_path: Path) -> None:
+    topo, hosts = slow_topology(tmp_path, expendable=False)
+    topo.write_text(topo.read_text().replace("max_iterations = 1000", "max_iterations = 0"))
+    out = tmp_path / "stats"
+    up = evflow(
+        "up", str(topo), "--hosts", str(hosts), "--session", "det", "--detach",
+        "--stats-dir", str(out),
+    )  # fmt: skip
+    assert up.returncode == 0, up.stderr
+    assert "every device RUNNING" in up.stdout
+    status = evflow("status", "--json")
+    assert status.returncode == 0, status.stderr
+    data = json.loads(status.stdout)
+    assert data["session"] == "det" and data["phase"] == "running"
+    assert {d["id"]: (d["host"], d["state"]) for d in data["devices"]} == {
+        "sampler_0": ("h1", "RUNNING"),
+        "sampler_1": ("h2", "RUNNING"),
+        "sampler_2": ("h1", "RUNNING"),
+        "sampler_3": ("h2", "RUNNING"),
+        "merger": ("h1", "RUNNING"),
+        "sink": ("h1", "RUNNING"),
+    }
+    table = evflow("status", "--session", "det")
+    assert table.returncode == 0 and "sampler_3" in table.stdout and "h2" in table.stdout
+    stop = evflow("ctl", "--session", "det", "STOP", "--select", "sampler_[01]")
+    assert stop.returncode == 0, stop.stderr
+    assert sorted(r["node_id"] for r in json.loads(stop.stdout)) == ["sampler_0", "sampler_1"]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        data = json.loads(evflow("status", "--json").stdout)
+        states = {d["id"]: d["state"] for d in data["devices"]}
+        if states["sampler_0"] == states["sampler_1"] == "READY":
+            break
+        time.sleep(0.2)
+    assert states["sampler_0"] == states["sampler_1"] == "READY", states
+    assert states["sampler_2"] == "RUNNING"
+    # the detached controller is no child of ours: check by pid that it and its agents go
+    pids = [data["pid"], *(h["agent_pid"] for h in data["hosts"])]
+    down = evflow("down", "--session", "det")
+    assert down.returncode == 0, down.stderr
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if alive(p)], "controller or agents outlived down"
+    found = stats(out)
+    sink = found["sink"]["sink"]
+    assert sink["received"] == sink["announced"] > 0  # stopped early, nothing lost
+    assert evflow("status").returncode == 1
+
+
+def test_ctrl_c_during_start_up_leaves_nothing_behind(tmp_path: Path) -> None:
+    topo, hosts = slow_topology(tmp_path, expendable=False)
+    rng = random.Random(11)
+    # moments from the command's start: evflow's imports, the agents' start, the spawn
+    # and each step of FairMQ's sequence (RUNNING comes after about 1-2 s here)
+    moments = [0.2, *(rng.uniform(0.4, 2.2) for _ in range(9))]
+    codes = []
+    for i, delay in enumerate(moments):
+        proc = start_up(str(topo), "--hosts", str(hosts), "--session", f"cc{i}")
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise AssertionError(f"run {i}: evflow up did not stop after Ctrl-C") from None
+        codes.append(proc.returncode)
+        runtime = Path(os.environ["EVFLOW_RUNTIME_DIR"])
+        assert not list(runtime.iterdir()), f"run {i} left {list(runtime.iterdir())}"
+        before_main = "init_import_site" in err or (
+            "KeyboardInterrupt" in err and "evflow: " not in err
+        )
+        if before_main:
+            continue  # the interpreter was starting or importing evflow: nothing ran yet
+        # a SIGINT before the interpreter installs its handler kills it by the signal
+        assert proc.returncode in (0, 130, -signal.SIGINT), f"at {delay:.2f} s: {err}"
+        assert "Traceback" not in err, err
+    assert 130 in codes
+
+
+def test_killed_device_is_restarted_and_walked_back_to_running(tmp_path: Path) -> None:
+    topo, hosts = slow_topology(tmp_path, expendable=False)
+    text = topo.read_text().replace("instances = 4", 'instances = 2\nrestart = "on-failure"')
+    topo.write_text(text)
+    out = tmp_path / "stats"
+    session = "restart"
+    proc = start_up(str(topo), "--hosts", str(hosts), "--session", session, "--stats-dir", str(out))
+    lines = Lines(proc)
+    try:
+        lines.wait_for("devices RUNNING", 60)
+        data = json.loads(evflow("status", "--session", session, "--json").stdout)
+        pid = next(d["pid"] for d in data["devices"] if d["id"] == "sampler_1")
+        os.kill(pid, signal.SIGKILL)
+        lines.wait_for("sampler_1 restarted and RUNNING again", 20)
+        code, text = lines.finish()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 0, text
+    found = stats(out)
+    assert found["sampler_1"]["sampler"]["sent"] == 1000  # the new process sent them all
+    assert found["sampler_1"]["sampler"]["acked"] == 1
+    sink = found["sink"]["sink"]
+    assert sink["received"] == sink["announced"] >= 2000
+
+
+def test_an_agent_that_cannot_start_is_one_error_naming_the_host(tmp_path: Path) -> None:
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'python3.11: no evflow on this host' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(f'[hosts]\nh1 = {{ address = "127.0.0.1", python = "{fake}" }}\n')
+    proc = evflow("up", str(EXAMPLES / "fan_in.toml"), "--hosts", str(hosts), "--quiet")
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("evflow: error:")]
+    assert errors == [
+        "evflow: error: host 'h1': the agent exited with code 3 before it reached the control "
+        "bus: python3.11: no evflow on this host"
+    ], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_device_failing_at_start_up_is_one_error_with_its_own_message(tmp_path: Path) -> None:
+    topo = tmp_path / "t.toml"
+    text = (EXAMPLES / "fan_in.toml").read_text()
+    topo.write_text(text.replace('class = "merger"', 'class = "_topo_devices:FailsInInit"'))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-m", "evflow", "up", str(topo), "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("evflow: error:")]
+    assert len(errors) == 1, proc.stderr
+    assert "device(s) merger lost" in errors[0]
+    assert "calibration file /nonexistent/calib.db not found" in errors[0]

@@ -89,3 +89,7 @@ def _reap_children(grace_s: float = 2.0) -> list[str]:
         except (psutil.NoSuchProcess, ChildProcessError, ProcessLookupError):
             pass
     return described
+
+
+# several hosts in network namespaces (sshd) and a Slurm cluster: tests/conftest_farm.py
+from conftest_farm import farm, farm_session, slurm, slurm_session  # noqa: E402, F401

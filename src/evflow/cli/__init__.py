@@ -14,7 +14,7 @@ import sys
 from evflow.errors import EvflowError, caused_by_interrupt, count_interrupts
 
 # module names under evflow.cli, each with register(subparsers)
-SUBCOMMANDS = ("run", "demo", "device", "ctl", "qc", "up", "agent", "status")
+SUBCOMMANDS = ("run", "demo", "device", "ctl", "qc", "up", "agent", "status", "keys")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from evflow.runtime.framing import raw_message
 from evflow.transport.channel import Channel
 from evflow.wire.messages import BadMessageCounter, Message, MsgType, encode_message
 
@@ -91,6 +92,7 @@ def data_loop(dev: Device) -> None:
         for sock, _ in poller.poll(POLL_INTERVAL_MS):
             ch, handler, bad, origin = targets[sock]
             router = ch.type == "router"
+            decode = raw_message if ch.raw else bad.decode  # raw: FairMQ's bare frames
             for _ in range(DRAIN_BATCH):
                 try:
                     frames = ch.recv(noblock)
@@ -102,7 +104,7 @@ def data_loop(dev: Device) -> None:
                         continue
                     origin = Origin(ch, frames[0])
                     frames = frames[1:]
-                msg = bad.decode(frames)
+                msg = decode(frames)
                 if msg is None:
                     if ch.type == "rep":  # REP must answer before it can receive again
                         ch.send(encode_message(MsgType.REPLY, {"error": "bad message"}))

@@ -49,6 +49,7 @@ from evflow.runtime._loops import (
     idle_loop,
 )
 from evflow.runtime.device_stats import RateLogger, channel_metrics
+from evflow.runtime.framing import outgoing
 from evflow.runtime.states import (
     SHUTDOWN_STEP,
     STARTUP_SEQUENCE,
@@ -57,7 +58,7 @@ from evflow.runtime.states import (
     Transition,
 )
 from evflow.transport.channel import Channel, ChannelConfig, open_channel
-from evflow.wire.messages import BadMessageCounter, MsgType, encode_message
+from evflow.wire.messages import BadMessageCounter, MsgType
 
 __all__ = ["BIDIRECTIONAL", "DRAIN_BATCH", "POLL_INTERVAL_MS", "Device", "Handler", "Origin"]
 
@@ -186,8 +187,12 @@ class Device:
         payload: Sequence[Any] = (),
         index: int = 0,
     ) -> None:
-        """Encode and send one wire message on ``name[index]``."""
-        self.channel(name, index).send(encode_message(type, header, payload))
+        """Encode and send one message on ``name[index]`` in the channel's framing (a
+        raw channel sends only EVENTS, as their payload frames; others are dropped)."""
+        ch = self.channel(name, index)
+        frames = outgoing(ch, type, header, payload)
+        if frames is not None:
+            ch.send(frames)
 
     @property
     def state(self) -> State:

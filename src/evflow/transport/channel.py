@@ -44,6 +44,8 @@ from evflow.transport.channel_config import (
     parse_channel_config,
     validate,
 )
+from evflow.transport.curve import CurveOptions, CurveSecurity
+from evflow.transport.farmkeys import farm_keys
 from evflow.transport.paths import ipc_listening
 
 __all__ = [
@@ -109,8 +111,14 @@ class Channel:
         self.bytes_in = 0
         self.bytes_out = 0
         self.closed = False
-        # frames received as bytes: [identity,] type, header
-        self._copy_frames = 3 if config.type == "router" else 2
+        #: raw framing: messages are bare frames (FairMQ), see channel_config.FRAMINGS
+        self.raw = config.framing == "raw"
+        #: CURVE on this socket (None without), closed with the channel
+        self.security: CurveSecurity | None = None
+        # frames received as bytes: [identity,] type, header (raw: only the identity)
+        self._copy_frames = (
+            (1 if self.raw else 3) if config.type == "router" else (0 if self.raw else 2)
+        )
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else ",".join(self.endpoints)
@@ -140,11 +148,11 @@ class Channel:
 
         The routing identity (ROUTER), the type and the header frames come as bytes
         (cheap for small frames, and what the decoder wants); payload frames come as
-        ``zmq.Frame`` without a copy.
+        ``zmq.Frame`` without a copy (on a raw channel, every frame but the identity).
         """
         sock = self.socket
         getsockopt = sock.getsockopt
-        first = sock.recv(flags)
+        first: Any = sock.recv(flags, copy=self._copy_frames > 0)
         frames: list[Any] = [first]
         nbytes = len(first)
         copied = 1
@@ -181,6 +189,8 @@ class Channel:
             return
         self.closed = True
         linger = self.config.linger if linger_ms is None else linger_ms
+        if self.security is not None:
+            self.security.close()
         with contextlib.suppress(zmq.ZMQError):
             self.socket.close(linger=linger)
         for path in self._ipc_files:
@@ -214,10 +224,13 @@ def open_channel(
     cannot be bound/connected; the socket is closed again on any failure.
     """
     validate(config)
+    security = _security(config, index)  # loads and checks keys
     sock = context.socket(SOCKET_TYPES[config.type])
     ipc_files: list[Path] = []
     endpoints: list[str] = []
     try:
+        if security is not None:
+            security.apply(sock, context)
         sock.setsockopt(zmq.LINGER, config.linger)
         sock.setsockopt(zmq.SNDHWM, config.sndBufSize)
         sock.setsockopt(zmq.RCVHWM, config.rcvBufSize)
@@ -260,14 +273,36 @@ def open_channel(
             if ipc_file is not None:
                 ipc_files.append(ipc_file)
     except BaseException:
+        if security is not None:
+            security.close()
         sock.close(linger=0)
         for path in ipc_files:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
         raise
     channel = Channel(config, index, sock, endpoints, ipc_files)
+    channel.security = security
     log.debug("opened %r", channel)
     return channel
+
+
+def _security(config: ChannelConfig, index: int) -> CurveSecurity | None:
+    """CURVE for this channel: its own curve=... keys, else the farm's keys for tcp."""
+    label = f"{config.name}[{index}]"
+    if config.curve in ("server", "client"):
+        opts = CurveOptions(
+            config.curve, config.curveSecretKey, config.curveServerKey, config.curveAllow
+        )
+        return CurveSecurity(label, opts)
+    if config.curve == "none":
+        return None
+    tcp = [ep for ep in config.endpoints if ep.scheme == "tcp"]
+    if not tcp:
+        return None
+    keys = farm_keys()
+    if keys is None:
+        return None
+    return CurveSecurity(label, keys.options(config.name, tcp, config.method))
 
 
 def _bind(sock: zmq.Socket[Any], url: str, ep: Endpoint, config: ChannelConfig) -> str:

@@ -37,6 +37,11 @@ RECEIVING = frozenset({"pull", "sub", "xpub", "xsub", "router", "dealer", "pair"
 SENDING = frozenset({"push", "pub", "xpub", "xsub", "router", "dealer", "pair", "req", "rep"})
 METHODS = ("bind", "connect")
 TRANSPORTS = ("zmq",)
+#: "evflow": wire-protocol messages (type byte, header, payload); "raw": each message is
+#: just its frames, as FairMQ's zeromq transport sends them (no END/ACK possible)
+FRAMINGS = ("evflow", "raw")
+#: "" = CURVE only if farm keys are configured (transport.farmkeys); "none" = never
+CURVE_ROLES = ("", "server", "client", "none")
 #: frames at least this large are sent without copying (zmq keeps a reference)
 COPY_THRESHOLD_BYTES = 65536
 
@@ -48,6 +53,13 @@ class ChannelConfig:
     ``sndBufSize``/``rcvBufSize`` are the high-water marks in messages; ``linger`` is in
     ms (-1 = wait for ever); ``rateLogging`` in seconds (0 = off); ``sndKernelSize`` /
     ``rcvKernelSize`` are kernel socket buffer sizes in bytes (0 = OS default).
+
+    evflow's own keys: ``framing`` (evflow | raw, see FRAMINGS); ``curve`` (server |
+    client | none; empty: CURVE on tcp when farm keys are configured, see
+    :mod:`evflow.transport.farmkeys`) with ``curveSecretKey`` (our ``.key_secret``
+    file), ``curveServerKey`` (a client's: the server's ``.key`` file) and
+    ``curveAllow`` (a server's: directory of allowed clients' ``.key`` files; default
+    the secret key's directory). See :mod:`evflow.transport.curve`.
     """
 
     name: str
@@ -62,6 +74,11 @@ class ChannelConfig:
     linger: int = 500
     rateLogging: int = 1
     autoBind: bool = False
+    framing: str = "evflow"
+    curve: str = ""
+    curveSecretKey: str = ""
+    curveServerKey: str = ""
+    curveAllow: str = ""
 
     def __post_init__(self) -> None:
         validate(self)
@@ -99,6 +116,9 @@ def validate(cfg: ChannelConfig) -> None:
             raise _bad(name, key, value, f"an integer >= {low}")
     if not isinstance(cfg.autoBind, bool):
         raise _bad(name, "autoBind", cfg.autoBind, "true or false")
+    if cfg.framing not in FRAMINGS:
+        raise _bad(name, "framing", cfg.framing, " | ".join(FRAMINGS))
+    _validate_curve(cfg)
     if not cfg.address:
         raise ConfigurationError(f"channel {name!r}: missing key 'address'")
     endpoints = parse_address(cfg.address)
@@ -111,6 +131,35 @@ def validate(cfg: ChannelConfig) -> None:
                 f"channel {name!r}: missing key 'method' (bind or connect) for {ep.url!r}"
             )
         check_endpoint(ep, method)
+
+
+def _validate_curve(cfg: ChannelConfig) -> None:
+    name = cfg.name
+    if cfg.curve not in CURVE_ROLES:
+        raise _bad(name, "curve", cfg.curve, "server, client or none")
+    if cfg.curve in ("", "none"):
+        for key in ("curveSecretKey", "curveServerKey", "curveAllow"):
+            if getattr(cfg, key):
+                raise ConfigurationError(
+                    f"channel {name!r}: {key} given without curve=server|client"
+                )
+        return
+    from evflow.transport.curve import require_curve
+
+    require_curve()
+    if not cfg.curveSecretKey:
+        raise ConfigurationError(
+            f"channel {name!r}: curve={cfg.curve} needs curveSecretKey=<NAME.key_secret> "
+            "(make keys with: evflow keys DIR)"
+        )
+    if cfg.curve == "client" and not cfg.curveServerKey:
+        raise ConfigurationError(
+            f"channel {name!r}: curve=client needs curveServerKey=<the server's NAME.key>"
+        )
+    if cfg.curve == "client" and cfg.curveAllow:
+        raise ConfigurationError(f"channel {name!r}: curveAllow is for curve=server only")
+    if cfg.curve == "server" and cfg.curveServerKey:
+        raise ConfigurationError(f"channel {name!r}: curveServerKey is for curve=client only")
 
 
 def _convert(name: str, key: str, value: Any) -> Any:

@@ -5,6 +5,9 @@ answer (pair, dealer, router), otherwise on a channel named ``<data channel>-ack
 (e.g. a sink's ``data-ack`` push socket connected to the sampler's ``data-ack`` pull
 socket). ACKs carry ``to`` (the END sender's id) so that a shared ack socket can be
 fanned in, or a pub/sub ack channel fanned out.
+
+A raw channel (``framing = "raw"``, FairMQ's wire) has no END and no ACK: the stream
+ends by count (``--max-iterations`` on the receiver) or by STOP, as in FairMQ.
 """
 
 from __future__ import annotations
@@ -25,7 +28,12 @@ ACK_SUFFIX = "-ack"
 
 
 def send_end(dev: Device, name: str, index: int, count: int, **extra: Any) -> None:
-    """Send END with ``count`` (messages sent on this sub-channel) and our id."""
+    """Send END with ``count`` (messages sent on this sub-channel) and our id (nothing
+    on a raw channel: the receiver counts)."""
+    if dev.channel(name, index).raw:
+        log.info("%s: %d messages on raw channel %s[%d] (no END on raw framing)",
+                 dev.id, count, name, index)  # fmt: skip
+        return
     dev.send(name, MsgType.END, {"count": count, "from": dev.id, **extra}, index=index)
 
 
@@ -40,7 +48,10 @@ def ack_sources(dev: Device, name: str) -> list[Channel]:
 
 
 def wait_for_acks(dev: Device, name: str, expected: int, timeout_s: float) -> int:
-    """Wait until ``expected`` ACKs addressed to us arrived; return how many did."""
+    """Wait until ``expected`` ACKs addressed to us arrived; return how many did
+    (0 at once on a raw channel, which has no ACK)."""
+    if dev.channel(name).raw:
+        return 0
     sources = ack_sources(dev, name)
     if not sources:
         log.warning(
@@ -85,6 +96,8 @@ def wait_for_acks(dev: Device, name: str, expected: int, timeout_s: float) -> in
 
 def acknowledge(dev: Device, msg: Message, origin: Origin, **extra: Any) -> bool:
     """Answer an END with ACK on the way it can travel back; False if there is none."""
+    if origin.channel.raw:
+        return False
     header = {"to": msg.header.get("from", ""), "from": dev.id, **extra}
     frames = encode_message(MsgType.ACK, header)
     ch = origin.channel

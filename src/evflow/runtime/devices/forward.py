@@ -3,7 +3,8 @@
 Each forwards every message from ``data-in`` to ``data-out`` except END, which it
 acknowledges upstream at once (the data before it is already here). When the last
 expected END arrived, it sends END with its own counts on every output and waits for
-their ACKs before it stops.
+their ACKs before it stops. Either side may be raw (FairMQ's wire): raw input is
+forwarded as data; only data goes out on a raw output.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from typing import Any
 from evflow.params import Param
 from evflow.runtime.device import Device, Origin
 from evflow.runtime.devices._stream import EndTracker, acknowledge, send_end, wait_for_acks
+from evflow.runtime.framing import outgoing
 from evflow.transport.channel import Channel
-from evflow.wire.messages import Message, MsgType, encode_message
+from evflow.wire.messages import Message, MsgType
 
 log = logging.getLogger("evflow.device")
 
@@ -31,6 +33,7 @@ class _Forwarder(EndTracker, Device):
         self.sent = [0] * len(self._outs)
         self.received = 0
         self.ends = 0
+        self.not_forwarded = 0
         self._next = 0
         self._needed = self.inputs or len(self.channel_list(self.in_channel))
         self._needed -= len(self.lost_peers)
@@ -48,7 +51,11 @@ class _Forwarder(EndTracker, Device):
         if msg.type is MsgType.ACK:
             return True
         i = self._pick()
-        self._outs[i].send(encode_message(msg.type, msg.header, msg.payload))
+        frames = outgoing(self._outs[i], msg.type, msg.header, msg.payload)
+        if frames is None:  # a raw output carries only data
+            self.not_forwarded += 1
+            return True
+        self._outs[i].send(frames)
         self.sent[i] += 1
         self.received += 1
         return True
@@ -73,6 +80,7 @@ class _Forwarder(EndTracker, Device):
             "sent": getattr(self, "sent", []),
             "ends": getattr(self, "ends", 0),
             "lost_peers": sorted(self.lost_peers),
+            "not_forwarded": getattr(self, "not_forwarded", 0),
         }
         return out
 

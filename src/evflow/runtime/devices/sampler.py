@@ -13,8 +13,9 @@ import zmq
 from evflow.params import Param
 from evflow.runtime.device import Device
 from evflow.runtime.devices._stream import send_end, wait_for_acks
+from evflow.runtime.framing import outgoing
 from evflow.transport.channel import COPY_THRESHOLD_BYTES
-from evflow.wire.messages import MsgType, encode_message
+from evflow.wire.messages import MsgType
 
 log = logging.getLogger("evflow.device")
 
@@ -35,8 +36,9 @@ class Sampler(Device):
         payload: Any = os.urandom(self.msg_size)
         if self.msg_size >= COPY_THRESHOLD_BYTES:
             payload = zmq.Frame(payload)
-        self._frames = encode_message(MsgType.EVENTS, None, (payload,))
         self._out = self.channel(self.channel_name)
+        # raw framing: the payload alone, as a FairMQ sampler sends it
+        self._frames = outgoing(self._out, MsgType.EVENTS, None, (payload,))
         self.sent = 0
         self.acked = 0
 

@@ -1,0 +1,183 @@
+"""The remote end of the ssh and srun launchers: run a command, and end it with us.
+
+``python -m evflow.topology.launch._guard [--detached] -- COMMAND...`` runs COMMAND in
+a new session and stays beside it. Neither ssh (without a terminal) nor srun signals a
+remote command when the controller side goes away: both only close its stdin. So the
+guard watches its stdin, and when it reads EOF (the controller ended the launch, died,
+or the ssh connection broke) or a ``term <grace_s>`` line, it ends the command's whole
+process tree: SIGTERM, then SIGKILL after the grace.
+
+The guard is a child subreaper (``PR_SET_CHILD_SUBREAPER``): a grandchild orphaned by
+a dying agent is re-parented to the guard, not to init, so nothing escapes the sweep.
+The command gets ``PR_SET_PDEATHSIG`` (SIGTERM) should the guard itself be killed.
+
+Before anything else it prints one line on stderr, ``evflow-guard: started pid=N``,
+which tells the launcher that the host was reached and the command started. Exit code:
+the command's (128 + signal number when a signal ended it).
+
+``--detached`` (sbatch) ignores stdin: the run ends with the command or a signal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from types import FrameType
+
+import psutil
+
+READY_PREFIX = "evflow-guard: started pid="
+DEFAULT_GRACE_S = 2.0
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _child_setup() -> None:
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+class Guard:
+    def __init__(self, argv: list[str], detached: bool) -> None:
+        self.argv = argv
+        self.detached = detached
+        self.child: subprocess.Popen[bytes] | None = None
+        self.returncode: int | None = None
+        self.stop_grace_s: float | None = None
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.stop_grace_s is None:
+            self.stop_grace_s = DEFAULT_GRACE_S
+
+    def run(self) -> int:
+        _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
+        try:
+            self.child = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_child_setup,
+            )
+        except OSError as exc:
+            print(f"evflow-guard: cannot run {self.argv[0]!r}: {exc.strerror}", file=sys.stderr)
+            return 127
+        print(f"{READY_PREFIX}{self.child.pid}", file=sys.stderr, flush=True)
+        self._watch()
+        self._sweep(self.stop_grace_s if self.stop_grace_s is not None else DEFAULT_GRACE_S)
+        if self.returncode is None:
+            self.returncode = 1
+        return self.returncode
+
+    def _watch(self) -> None:
+        """Until the command ends or we are told to stop (stdin EOF, a line, a signal)."""
+        stdin_open = not self.detached
+        buf = b""
+        while self.stop_grace_s is None:
+            if self._reap():
+                return
+            if not stdin_open:
+                time.sleep(0.05)
+                continue
+            try:
+                ready, _, _ = select.select([sys.stdin.buffer], [], [], 0.05)
+            except InterruptedError:
+                continue
+            if not ready:
+                continue
+            data = os.read(sys.stdin.fileno(), 4096)
+            if not data:
+                self.stop_grace_s = DEFAULT_GRACE_S
+                return
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                words = line.decode(errors="replace").split()
+                if words[:1] == ["term"]:
+                    self.stop_grace_s = _grace(words[1:])
+
+    def _reap(self) -> bool:
+        """Reap every exited child (orphans are ours too); True once the command ended."""
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return True
+            if pid == 0:
+                return self.returncode is not None
+            if self.child is not None and pid == self.child.pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+                if self.returncode < 0:
+                    self.returncode = 128 - self.returncode
+                self.child.returncode = self.returncode
+
+    def _sweep(self, grace_s: float) -> None:
+        """SIGTERM the command's tree, wait up to ``grace_s``, SIGKILL what is left."""
+        me = psutil.Process()
+        tree = me.children(recursive=True)
+        if self.child is not None and self.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.child.pid, signal.SIGTERM)
+        for p in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            self._reap()
+            if not _alive(me.children(recursive=True)):
+                return
+            time.sleep(0.02)
+        # SIGKILL until nothing is left (a process may fork while we look)
+        for _ in range(50):
+            left = _alive(me.children(recursive=True))
+            if not left:
+                break
+            for p in left:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+            time.sleep(0.02)
+            self._reap()
+        self._reap()
+
+
+def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    out = []
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+    return out
+
+
+def _grace(words: list[str]) -> float:
+    try:
+        return max(0.0, float(words[0]))
+    except (IndexError, ValueError):
+        return DEFAULT_GRACE_S
+
+
+def main(argv: list[str]) -> int:
+    detached = False
+    while argv and argv[0] != "--":
+        if argv[0] == "--detached":
+            detached = True
+        else:
+            print(f"evflow-guard: unknown option {argv[0]!r}", file=sys.stderr)
+            return 2
+        argv = argv[1:]
+    if len(argv) < 2:
+        print("usage: python -m evflow.topology.launch._guard [--detached] -- COMMAND...",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    return Guard(argv[1:], detached).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

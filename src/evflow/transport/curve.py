@@ -1,0 +1,349 @@
+"""CURVE security for tcp channels: key files, a ZAP allow-list, refusals logged once.
+
+Keys are pyzmq's certificate files (``zmq.auth.create_certificates``): ``NAME.key``
+holds a public key, ``NAME.key_secret`` the pair. ``evflow keys DIR`` writes them. A
+channel is a CURVE server (it binds, and a ZAP handler lets in only clients whose
+public key is in its allow-list directory) or a CURVE client (it knows the server's
+public key). Channel options (see :mod:`evflow.transport.channel_config`)::
+
+    curve=server,curveSecretKey=keys/server.key_secret,curveAllow=keys
+    curve=client,curveSecretKey=keys/client.key_secret,curveServerKey=keys/server.key
+
+A refused peer is logged ONCE per (channel, address, reason) at WARNING with its
+address: the ZAP handler names a client whose key is not allowed (address and key);
+the socket monitor (``EVENT_HANDSHAKE_FAILED_*``) names a peer that failed the
+handshake otherwise (a plaintext client, a client with the wrong server key). Nothing
+is a silent time-out. Refusals are counted in :attr:`CurveSecurity.refusals`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket as pysocket
+import stat
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
+
+from evflow.errors import ConfigurationError
+
+log = logging.getLogger("evflow.curve")
+
+CURVE_ROLES = ("", "server", "client")
+SECRET_SUFFIX = ".key_secret"
+PUBLIC_SUFFIX = ".key"
+
+
+def require_curve() -> None:
+    """Refuse CURVE when the linked libzmq was built without it."""
+    if not zmq.has("curve"):
+        raise ConfigurationError(
+            f"this libzmq ({zmq.zmq_version()}) was built without CURVE security; "
+            "install a pyzmq wheel (bundles libzmq with libsodium) or a libzmq with CURVE"
+        )
+
+
+# --- key files -----------------------------------------------------------------------
+def create_keys(directory: str | Path, names: list[str]) -> list[tuple[Path, Path]]:
+    """Write a key pair per name into ``directory`` (0700; secret files 0600).
+
+    Refuses to overwrite an existing pair. Returns (public, secret) paths.
+    """
+    require_curve()
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    directory.chmod(0o700)
+    for name in names:
+        if not name or "/" in name or name.startswith("."):
+            raise ConfigurationError(f"bad key name {name!r} (letters, digits, '_', '-', '.')")
+        existing = directory / f"{name}{SECRET_SUFFIX}"
+        if existing.exists():
+            raise ConfigurationError(
+                f"{existing} exists already; remove it first to make a new pair for {name!r}"
+            )
+    out = []
+    old_umask = os.umask(0o077)  # the secret file never exists with a wider mode
+    try:
+        for name in names:
+            public, secret = zmq.auth.create_certificates(directory, name)
+            os.chmod(secret, 0o600)
+            os.chmod(public, 0o644)
+            out.append((Path(public), Path(secret)))
+    finally:
+        os.umask(old_umask)
+    return out
+
+
+def check_secret_permissions(path: Path) -> None:
+    """A secret key readable or writable by group/others is refused, naming the fix."""
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        raise ConfigurationError(
+            f"secret key file {str(path)!r} is accessible by other users (mode {mode:04o}); "
+            f"fix: chmod 600 {path}"
+        )
+
+
+def load_secret_key(path: str | Path) -> tuple[bytes, bytes]:
+    """(public, secret) from a ``.key_secret`` file, after the permission check."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigurationError(f"secret key file {str(path)!r} does not exist (evflow keys DIR)")
+    check_secret_permissions(path)
+    public, secret = _load(path)
+    if not secret:
+        raise ConfigurationError(
+            f"{str(path)!r} holds no secret key (use the .key_secret file, not the .key)"
+        )
+    return public, secret
+
+
+def load_public_key(path: str | Path) -> bytes:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigurationError(f"public key file {str(path)!r} does not exist (evflow keys DIR)")
+    return _load(path)[0]
+
+
+def _load(path: Path) -> tuple[bytes, bytes]:
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (ValueError, OSError) as exc:
+        raise ConfigurationError(f"{str(path)!r} is not a CURVE key file: {exc}") from None
+    return public, secret or b""
+
+
+def allowed_keys(directory: str | Path) -> dict[bytes, bool]:
+    """The public keys (``*.key``) in an allow-list directory; refuses an empty one."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ConfigurationError(f"CURVE allow-list {str(directory)!r} is not a directory")
+    keys = {load_public_key(p): True for p in sorted(directory.glob(f"*{PUBLIC_SUFFIX}"))}
+    if not keys:
+        raise ConfigurationError(f"CURVE allow-list {str(directory)!r} holds no *.key file")
+    return keys
+
+
+# --- ZAP: one handler per context, a domain per server channel -----------------------
+class _Zap(ThreadAuthenticator):
+    """pyzmq's ZAP thread, which also reports each refusal with the peer's address."""
+
+    def __init__(self, context: zmq.Context[Any]) -> None:
+        super().__init__(context, log=logging.getLogger("evflow.curve.zap"))
+        self.users = 0
+        self.guards: dict[str, CurveSecurity] = {}
+        self._request: tuple[str, str, bytes] = ("", "", b"")
+
+    def handle_zap_message(self, msg: list[bytes]) -> Any:
+        domain = msg[2].decode(errors="replace") if len(msg) > 2 else ""
+        address = msg[3].decode(errors="replace") if len(msg) > 3 else ""
+        self._request = (domain, address, msg[6] if len(msg) > 6 else b"")
+        return super().handle_zap_message(msg)
+
+    def _send_zap_reply(self, request_id: bytes, status_code: bytes, status_text: bytes,
+                        user_id: str = "anonymous") -> None:  # fmt: skip
+        if status_code != b"200":
+            domain, address, key = self._request
+            guard = self.guards.get(domain)
+            if guard is not None:
+                z85 = zmq.utils.z85.encode(key).decode() if len(key) == 32 else "none"
+                guard.refused(address, f"client key {z85} not in the allow-list")
+        super()._send_zap_reply(request_id, status_code, status_text, user_id)
+
+
+_zaps: dict[int, _Zap] = {}
+_zap_lock = threading.Lock()
+
+
+def _zap_for(context: zmq.Context[Any]) -> _Zap:
+    with _zap_lock:
+        zap = _zaps.get(id(context))
+        if zap is None or zap.context is not context:
+            zap = _Zap(context)
+            zap.start()
+            _zaps[id(context)] = zap
+        zap.users += 1
+        return zap
+
+
+def _release_zap(zap: _Zap) -> None:
+    with _zap_lock:
+        zap.users -= 1
+        if zap.users <= 0:
+            _zaps.pop(id(zap.context), None)
+            zap.stop()
+
+
+# --- per socket ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class CurveOptions:
+    """A channel's CURVE settings (file paths as given in the channel config)."""
+
+    role: str
+    secret_key: str
+    server_key: str = ""
+    allow: str = ""
+
+
+_FAILED_EVENTS = {
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed (protocol: plaintext peer or "
+    "wrong server key?)",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "refused by ZAP",
+}
+
+
+class CurveSecurity:
+    """CURVE on one socket: keys, ZAP domain (server) and the refusal monitor."""
+
+    def __init__(self, label: str, options: CurveOptions) -> None:
+        require_curve()
+        self.label = label
+        self.options = options
+        self.refusals = 0
+        self._logged: set[tuple[str, str]] = set()
+        self._zap: _Zap | None = None
+        self._monitor: threading.Thread | None = None
+        self._socket: zmq.Socket[Any] | None = None
+        self._peers: dict[int, str] = {}
+        self._public, self._secret = load_secret_key(options.secret_key)
+        if options.role == "client":
+            self._server_key = load_public_key(options.server_key)
+        else:
+            self._allowed = allowed_keys(options.allow or Path(options.secret_key).parent)
+
+    def apply(self, sock: zmq.Socket[Any], context: zmq.Context[Any]) -> None:
+        """Set the socket's CURVE options (before bind/connect) and start the monitor."""
+        sock.curve_publickey = self._public
+        sock.curve_secretkey = self._secret
+        if self.options.role == "server":
+            sock.curve_server = True
+            domain = f"evflow/{self.label}/{id(self)}"
+            sock.zap_domain = domain.encode()
+            self._zap = _zap_for(context)
+            self._zap.certs[domain] = self._allowed
+            self._zap.guards[domain] = self
+        else:
+            sock.curve_serverkey = self._server_key
+        self._socket = sock
+        events = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        events |= zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        events |= zmq.EVENT_MONITOR_STOPPED  # ends the watcher on close()
+        monitor = sock.get_monitor_socket(events)
+        self._monitor = threading.Thread(
+            target=self._watch, args=(monitor,), daemon=True, name=f"curve-{self.label}"
+        )
+        self._monitor.start()
+
+    def refused(self, peer: str, reason: str) -> None:
+        """Count a refusal; log it the first time this peer fails for this reason."""
+        self.refusals += 1
+        if (peer, reason) in self._logged:
+            return
+        self._logged.add((peer, reason))
+        log.warning("channel %s: CURVE refused peer %s: %s", self.label, peer, reason)
+
+    def _watch(self, monitor: zmq.Socket[Any]) -> None:
+        failed: str | None = None
+        try:
+            while True:
+                event = recv_monitor_message(monitor)
+                kind, value, endpoint = event["event"], event["value"], event["endpoint"]
+                if kind == zmq.EVENT_MONITOR_STOPPED:
+                    return
+                if kind == zmq.EVENT_ACCEPTED:
+                    self._peers[value] = _peer_of(value)
+                elif kind in _FAILED_EVENTS:
+                    if self.options.role == "client":
+                        self.refused(endpoint.decode(errors="replace"), _FAILED_EVENTS[kind])
+                    elif kind != zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # the ZAP logged it
+                        failed = _FAILED_EVENTS[kind]
+                elif kind == zmq.EVENT_DISCONNECTED:
+                    peer = self._peers.pop(value, "(address unknown)")
+                    if failed is not None:
+                        self.refused(peer, failed)
+                        failed = None
+        except zmq.ZMQError:
+            return
+        finally:
+            monitor.close(linger=0)
+
+    def close(self) -> None:
+        """Stop the monitor and leave the ZAP handler (call before closing the socket)."""
+        if self._socket is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._socket.disable_monitor()
+            self._socket = None
+        if self._monitor is not None:
+            self._monitor.join(2.0)
+            self._monitor = None
+        if self._zap is not None:
+            for domain, guard in list(self._zap.guards.items()):
+                if guard is self:
+                    del self._zap.guards[domain]
+                    self._zap.certs.pop(domain, None)
+            _release_zap(self._zap)
+            self._zap = None
+
+
+def _peer_of(fd: int) -> str:
+    """``ip:port`` of the peer on an accepted socket's fd (read at once, before it closes)."""
+    try:
+        with pysocket.socket(fileno=os.dup(fd)) as s:
+            host, port = s.getpeername()[:2]
+            return f"{host}:{port}"
+    except OSError:
+        # libzmq closed it before this thread got to it (a handshake that failed at once)
+        return "(address unknown: the connection closed before it was read)"
+
+
+# --- one key pair per host: channel options for a topology ----------------------------
+class KeyRing:
+    """The per-host keys of ``evflow keys DIR --names h1 h2 ...`` as channel options.
+
+    A host's binding channels are CURVE servers with its own secret key and every
+    public key in DIR as allow-list; a connecting channel is a client with its host's
+    secret key and the binding host's public key.
+    """
+
+    def __init__(self, directory: str | Path) -> None:
+        require_curve()
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise ConfigurationError(
+                f"key directory {str(self.directory)!r} does not exist "
+                f"(make it with: evflow keys {self.directory} --names HOST...)"
+            )
+
+    def _secret(self, host: str) -> str:
+        path = self.directory / f"{host}{SECRET_SUFFIX}"
+        if not path.is_file():
+            raise ConfigurationError(
+                f"no CURVE key for host {host!r} in {str(self.directory)!r} "
+                f"(make it with: evflow keys {self.directory} --names {host})"
+            )
+        check_secret_permissions(path)
+        return str(path)
+
+    def server_options(self, host: str) -> dict[str, str]:
+        """Channel keys for a channel that ``host`` binds."""
+        return {"curve": "server", "curveSecretKey": self._secret(host),
+                "curveAllow": str(self.directory)}  # fmt: skip
+
+    def client_options(self, host: str, server_host: str) -> dict[str, str]:
+        """Channel keys for a channel on ``host`` that connects to ``server_host``."""
+        public = self.directory / f"{server_host}{PUBLIC_SUFFIX}"
+        if not public.is_file():
+            raise ConfigurationError(
+                f"no public CURVE key for host {server_host!r} in {str(self.directory)!r}"
+            )
+        return {"curve": "client", "curveSecretKey": self._secret(host),
+                "curveServerKey": str(public)}  # fmt: skip

@@ -1,0 +1,100 @@
+"""CURVE on every tcp channel of a farm process, from three environment variables.
+
+A controller that has keys (``evflow keys DIR --names h1 h2 ...``) starts each agent
+with::
+
+    EVFLOW_CURVE_KEYS=DIR          # the key directory (shared or copied to each host)
+    EVFLOW_HOST=h2                 # this host's name (its key pair: DIR/h2.key_secret)
+    EVFLOW_HOSTS_FILE=hosts.toml   # name -> address, to find a peer's public key
+
+and every process below it inherits them. Then every tcp channel that does not say
+``curve=...`` itself (the control bus included) uses CURVE: a binding channel is a
+server with this host's key and DIR as allow-list, a connecting channel is a client of
+the host whose address it connects to (loopback: this host). ``curve=none`` on a
+channel opts out (a raw channel to a FairMQ device, which has no CURVE). ipc and inproc
+channels stay on their host and are not touched.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from evflow.errors import ConfigurationError
+from evflow.transport.address import Endpoint
+from evflow.transport.curve import CurveOptions, KeyRing
+
+ENV_KEYS = "EVFLOW_CURVE_KEYS"
+ENV_HOST = "EVFLOW_HOST"
+ENV_HOSTS_FILE = "EVFLOW_HOSTS_FILE"
+_LOOPBACK = ("127.", "localhost", "::1")
+
+
+@dataclass(frozen=True)
+class FarmKeys:
+    """This process's host, the farm's key ring and its hosts' addresses."""
+
+    ring: KeyRing
+    host: str
+    host_by_address: dict[str, str]
+
+    def options(self, channel: str, endpoints: list[Endpoint], method: str) -> CurveOptions:
+        """CURVE options for a tcp channel with ``endpoints`` (one method for all)."""
+        methods = {ep.method or method for ep in endpoints}
+        if len(methods) != 1:
+            raise ConfigurationError(
+                f"channel {channel!r} both binds and connects; with farm CURVE keys a socket "
+                "is either server or client: split it, or set curve=... on it"
+            )
+        if methods == {"bind"}:
+            opts = self.ring.server_options(self.host)
+            return CurveOptions("server", opts["curveSecretKey"], allow=opts["curveAllow"])
+        servers = {self._host_of(channel, ep.host) for ep in endpoints}
+        if len(servers) != 1:
+            raise ConfigurationError(
+                f"channel {channel!r} connects to several hosts {sorted(servers)}; a CURVE "
+                "client socket knows one server key: use one channel per host"
+            )
+        opts = self.ring.client_options(self.host, servers.pop())
+        return CurveOptions("client", opts["curveSecretKey"], server_key=opts["curveServerKey"])
+
+    def _host_of(self, channel: str, address: str) -> str:
+        if address.startswith(_LOOPBACK):
+            return self.host
+        try:
+            return self.host_by_address[address]
+        except KeyError:
+            raise ConfigurationError(
+                f"channel {channel!r} connects to {address}, which is no host of the hosts "
+                f"file ({', '.join(sorted(self.host_by_address)) or 'none'}): its CURVE key "
+                "is unknown"
+            ) from None
+
+
+_cached: tuple[tuple[str, str, str], FarmKeys | None] | None = None
+
+
+def farm_keys() -> FarmKeys | None:
+    """The farm keys named by the environment (None when ``EVFLOW_CURVE_KEYS`` is unset)."""
+    global _cached
+    env = (os.environ.get(ENV_KEYS, ""), os.environ.get(ENV_HOST, ""),
+           os.environ.get(ENV_HOSTS_FILE, ""))  # fmt: skip
+    if _cached is not None and _cached[0] == env:
+        return _cached[1]
+    keys_dir, host, hosts_file = env
+    keys: FarmKeys | None = None
+    if keys_dir:
+        if not host or not hosts_file:
+            raise ConfigurationError(
+                f"{ENV_KEYS} is set but {ENV_HOST} and {ENV_HOSTS_FILE} are not both set: "
+                "farm CURVE needs this host's name and the hosts file"
+            )
+        from evflow.topology.hosts import load_hosts
+
+        hosts = load_hosts(Path(hosts_file))
+        if host not in hosts:
+            raise ConfigurationError(f"{ENV_HOST}={host!r} is not a host of {hosts_file}")
+        keys = FarmKeys(KeyRing(keys_dir), host, {h.address: h.name for h in hosts.values()})
+    _cached = (env, keys)
+    return keys

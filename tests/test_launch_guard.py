@@ -1,0 +1,96 @@
+"""The guard that runs an agent under ssh/srun, on this host: it reports the command's
+pid, passes its exit code on, and ends the whole tree (escaped, SIGTERM-ignoring
+descendants included) on stdin EOF, on a ``term`` line or on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from evflow.topology.launch._guard import READY_PREFIX
+from farm_hosts import probe_argv, probe_env
+
+GUARD = [sys.executable, "-m", "evflow.topology.launch._guard"]
+
+
+def _start(*args: str, detached: bool = False) -> tuple[subprocess.Popen[bytes], list[int]]:
+    """The guard running the probe with ``args``; (process, pids of its whole tree)."""
+    mode = ["--detached"] if detached else []
+    guard = subprocess.Popen(
+        [*GUARD, *mode, "--", *probe_argv(sys.executable, *args)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, **probe_env()},
+    )  # fmt: skip
+    assert guard.stderr is not None and guard.stdout is not None
+    line = guard.stderr.readline().decode()
+    assert line.startswith(READY_PREFIX), line
+    guard.stdout.readline()  # the probe's report: its children exist now
+    tree = [p.pid for p in psutil.Process(guard.pid).children(recursive=True)]
+    return guard, tree
+
+
+def _gone(pids: list[int], timeout_s: float = 10) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]  # fmt: skip
+        time.sleep(0.02)
+    return alive
+
+
+def _close(guard: subprocess.Popen[bytes]) -> None:
+    for pipe in (guard.stdin, guard.stdout, guard.stderr):
+        if pipe is not None and not pipe.closed:
+            pipe.close()
+
+
+@pytest.mark.parametrize("how", ["eof", "term line", "sigterm"])
+def test_guard_ends_the_whole_tree(how: str) -> None:
+    guard, tree = _start("--children", "2")
+    assert len(tree) >= 3  # the probe and its two orphaned escapers (re-parented to us)
+    assert guard.stdin is not None
+    t0 = time.monotonic()
+    if how == "eof":
+        guard.stdin.close()
+    elif how == "term line":
+        guard.stdin.write(b"term 0.2\n")
+        guard.stdin.flush()
+    else:
+        guard.send_signal(signal.SIGTERM)
+    guard.wait(20)
+    _close(guard)
+    assert _gone(tree) == []
+    if how == "term line":  # the escapers ignore SIGTERM: SIGKILL came after 0.2 s
+        assert time.monotonic() - t0 < 1.5
+
+
+def test_guard_passes_the_exit_code_and_sweeps_orphans() -> None:
+    guard, tree = _start("--children", "1", "--exit", "7")
+    assert guard.wait(20) == 7
+    _close(guard)
+    assert _gone(tree) == []
+
+
+def test_detached_guard_ignores_stdin_eof() -> None:
+    guard, tree = _start(detached=True)
+    assert guard.stdin is not None
+    guard.stdin.close()
+    time.sleep(0.3)
+    assert guard.poll() is None and _gone(tree, 0) == tree
+    guard.send_signal(signal.SIGTERM)
+    guard.wait(20)
+    _close(guard)
+    assert _gone(tree) == []
+
+
+def test_guard_without_a_runnable_command_says_so() -> None:
+    out = subprocess.run([*GUARD, "--", "/nonexistent/prog"], capture_output=True, text=True,
+                         stdin=subprocess.DEVNULL, timeout=30)  # fmt: skip
+    assert out.returncode == 127 and "cannot run '/nonexistent/prog'" in out.stderr

@@ -1,0 +1,190 @@
+"""The Slurm launcher on a real Slurm cluster (munge, slurmctld, one slurmd per
+namespace host): srun places the command on the named node, and terminate, controller
+SIGKILL and scancel leave nothing on it; a missing or busy node is one clear error."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from evflow.errors import ConfigurationError
+from evflow.topology.hosts import HostSpec
+from evflow.topology.launch import get_launcher
+from evflow.topology.launch.slurm import BatchJob, SlurmLauncher
+from farm_hosts import NamespaceFarm, probe_argv, probe_env, read_json_line
+from farm_slurm import SlurmCluster
+
+pytestmark = [pytest.mark.netns, pytest.mark.slurm]
+
+
+def _no_jobs(timeout_s: float = 10) -> str:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        out = subprocess.run(["squeue", "-h", "-o", "%i %T"], capture_output=True, text=True)
+        if not out.stdout.strip() or time.monotonic() > deadline:
+            return out.stdout.strip()
+        time.sleep(0.1)
+
+
+def _block(node: str) -> str:
+    """Submit a job that takes every CPU of ``node``; return its id once it runs."""
+    out = subprocess.run(
+        ["sbatch", "--parsable", "--exclusive", f"--nodelist={node}", "--output=/dev/null",
+         "--wrap=sleep 60"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    job = out.stdout.strip()
+    deadline = time.monotonic() + 10
+    while (
+        "RUNNING"
+        not in subprocess.run(
+            ["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True
+        ).stdout
+    ):
+        assert time.monotonic() < deadline, "blocking job did not start"
+        time.sleep(0.1)
+    return job
+
+
+def test_get_launcher_finds_slurm() -> None:
+    assert isinstance(get_launcher("slurm"), SlurmLauncher)
+
+
+def test_srun_runs_the_command_on_each_node(farm: NamespaceFarm, slurm: SlurmCluster) -> None:
+    handles = {
+        name: SlurmLauncher().start_command(
+            spec, probe_argv(), probe_env(PROBE_MARKER=name), capture_stdout=True
+        )
+        for name, spec in farm.host_specs().items()
+    }
+    try:
+        for name, handle in handles.items():
+            report = read_json_line(handle.stdout)
+            assert report["netns"] == farm.hosts[name].netns_inode()
+            assert farm.hosts[name].address in report["addresses"]
+            assert report["marker"] == name
+            assert report["pid"] == handle.remote_pid
+    finally:
+        for handle in handles.values():
+            handle.terminate(1.0)
+    for name, handle in handles.items():
+        assert handle.poll() is not None
+        assert farm.leftovers(name) == []
+    assert _no_jobs() == ""
+
+
+def test_srun_terminate_ends_escaping_descendants(farm: NamespaceFarm, slurm: SlurmCluster) -> None:
+    handle = SlurmLauncher().start_command(
+        farm.host_specs()["h2"], probe_argv(sys.executable, "--children", "3"), probe_env(),
+        capture_stdout=True,
+    )  # fmt: skip
+    try:
+        read_json_line(handle.stdout)
+        assert len(farm.leftovers("h2", timeout_s=0)) >= 5
+    finally:
+        handle.terminate(0.3)
+    assert farm.leftovers("h2") == []
+    assert _no_jobs() == ""
+
+
+def test_controller_sigkill_ends_the_job(farm: NamespaceFarm, slurm: SlurmCluster) -> None:
+    script = (
+        "import sys, time\n"
+        "from farm_hosts import probe_argv, probe_env\n"
+        "from evflow.topology.hosts import HostSpec\n"
+        "from evflow.topology.launch.slurm import SlurmLauncher\n"
+        "h = SlurmLauncher().start_command(HostSpec(name='h3'),\n"
+        "    probe_argv(sys.executable, '--children', '2'), probe_env())\n"
+        "print(h.remote_pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    controller = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, env={**os.environ, **probe_env()}
+    )
+    try:
+        remote_pid = int(controller.stdout.readline())  # type: ignore[union-attr]
+        assert remote_pid in farm.pids("h3")
+    finally:
+        controller.send_signal(signal.SIGKILL)
+        controller.wait()
+        controller.stdout.close()  # type: ignore[union-attr]
+    assert farm.leftovers("h3", timeout_s=10) == []
+    assert _no_jobs() == ""
+
+
+def test_unknown_node_is_one_error(farm: NamespaceFarm, slurm: SlurmCluster) -> None:
+    spec = dataclasses.replace(farm.host_specs()["h1"], slurm="nosuchnode")
+    t0 = time.monotonic()
+    with pytest.raises(ConfigurationError) as err:
+        SlurmLauncher().start_command(spec, probe_argv(), probe_env())
+    assert "'nosuchnode'" in str(err.value) and "Invalid node name" in str(err.value)
+    assert "'h1'" in str(err.value)
+    assert time.monotonic() - t0 < 10
+
+
+def test_busy_node_is_one_error_not_a_hang(farm: NamespaceFarm, slurm: SlurmCluster) -> None:
+    """Every CPU of h1 is taken by another job: srun --immediate gives up and says so."""
+    job = _block("h1")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ConfigurationError) as err:
+            SlurmLauncher(immediate_s=1).start_command(
+                farm.host_specs()["h1"], probe_argv(), probe_env()
+            )
+        assert "no free Slurm node 'h1'" in str(err.value), str(err.value)
+        assert time.monotonic() - t0 < 10
+    finally:
+        subprocess.run(["scancel", job], check=False)
+    assert _no_jobs() == ""
+
+
+def test_sbatch_detached_run_and_scancel(farm: NamespaceFarm, slurm: SlurmCluster) -> None:
+    launcher = SlurmLauncher(detached=True)
+    job = launcher.start_command(farm.host_specs()["h2"], probe_argv(sys.executable,
+                                 "--children", "2"), probe_env())  # fmt: skip
+    assert isinstance(job, BatchJob)
+    try:
+        deadline = time.monotonic() + 15
+        while sum("_farm_probe" in p for p in farm.leftovers("h2", timeout_s=0)) < 3:
+            assert time.monotonic() < deadline, f"job {job.job_id} never ran ({job.state()})"
+            time.sleep(0.1)
+        assert job.poll() is None
+    finally:
+        job.terminate(0.5)
+    assert job.poll() is not None
+    assert farm.leftovers("h2") == []
+
+
+def test_sbatch_exit_code_reaches_poll(farm: NamespaceFarm, slurm: SlurmCluster) -> None:
+    job = SlurmLauncher(detached=True).start_command(
+        farm.host_specs()["h3"], probe_argv(sys.executable, "--exit", "3"), probe_env()
+    )
+    deadline = time.monotonic() + 20
+    while job.poll() is None:
+        assert time.monotonic() < deadline, f"job {job.job_id} did not end ({job.state()})"
+        time.sleep(0.2)
+    assert job.poll() == 3
+
+
+def test_sbatch_on_a_busy_node_is_one_error(farm: NamespaceFarm, slurm: SlurmCluster) -> None:
+    """sbatch has no --immediate: a job still pending after immediate_s is cancelled and
+    reported with Slurm's reason."""
+    job = _block("h1")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ConfigurationError) as err:
+            SlurmLauncher(detached=True, immediate_s=1).start_command(
+                HostSpec(name="h1"), ["/bin/sleep", "60"]
+            )
+        assert "no free Slurm node 'h1'" in str(err.value), str(err.value)
+        assert "still pending" in str(err.value)
+        assert time.monotonic() - t0 < 10
+    finally:
+        subprocess.run(["scancel", job], check=False)
+    assert _no_jobs() == ""

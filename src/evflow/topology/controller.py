@@ -42,7 +42,8 @@ from evflow.topology.protocol import (
 )
 from evflow.topology.records import DeviceRecord, HostRecord, violations
 from evflow.topology.resolve import ResolvedTopology
-from evflow.topology.startup import STAGES, StartupSteps
+from evflow.topology.security import FarmSecurity, tcp_only_binds
+from evflow.topology.startup import STAGES, StartupSteps, route_source
 
 log = logging.getLogger("evflow.topology")
 
@@ -69,6 +70,7 @@ class Controller(StartupSteps):
         preload: tuple[str, ...] = (),
         view: Any = None,
         on_up: Any = None,
+        security: FarmSecurity | None = None,
     ) -> None:
         self.topology = topology
         self.session = session
@@ -86,6 +88,9 @@ class Controller(StartupSteps):
         self.preload = preload
         self.view = view
         self.on_up = on_up
+        self.security = security
+        if security is not None:
+            tcp_only_binds(topology)
         self.records = {d.id: DeviceRecord(d) for d in topology.devices.values()}
         self.hosts = {h: HostRecord(h) for h in sorted({d.host for d in topology.devices.values()})}
         self.handles: dict[str, AgentHandle] = {}
@@ -141,6 +146,12 @@ class Controller(StartupSteps):
     def start(self) -> None:
         from evflow.transport.sessions import claim_session, remove_stale_sessions
 
+        if self.security is not None:
+            # before the bus proxy is forked: it binds tcp as a CURVE server
+            self.security.controller_addresses = sorted(
+                {route_source(self.topology.hosts[h].address) for h in self.hosts}
+            )
+            self.security.apply_to_controller()
         removed = remove_stale_sessions()
         if removed:
             log.info("pre-flight: removed leftovers of dead session(s) %s", ", ".join(removed))
@@ -160,7 +171,7 @@ class Controller(StartupSteps):
             args = ["--bus", agent_bus(host.address), "--session", self.session, "--host", name]
             for module in self.preload:
                 args += ["--preload", module]
-            self.handles[name] = self.launcher.start_agent(host, args, self._agent_env())
+            self.handles[name] = self.launcher.start_agent(host, args, self._agent_env(name))
         self._wait_agents()
         self._lap("agents up")
         self._spawn()
@@ -188,8 +199,11 @@ class Controller(StartupSteps):
 
         return session_dir(self.session)
 
-    def _agent_env(self) -> dict[str, str]:
-        return {k: os.environ[k] for k in ("EVFLOW_RUNTIME_DIR", "PYTHONPATH") if k in os.environ}
+    def _agent_env(self, host: str) -> dict[str, str]:
+        env = {k: os.environ[k] for k in ("EVFLOW_RUNTIME_DIR", "PYTHONPATH") if k in os.environ}
+        if self.security is not None:
+            env.update(self.security.agent_env(host))
+        return env
 
     def _check_interrupt(self) -> None:
         if self.stopping:

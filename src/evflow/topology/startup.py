@@ -19,6 +19,7 @@ from evflow.topology.launch.base import AgentHandle
 from evflow.topology.protocol import CONTROLLER_ID, agent_id
 from evflow.topology.records import RANK, DeviceRecord, HostRecord
 from evflow.topology.resolve import ResolvedTopology
+from evflow.topology.security import BusRefusals, FarmSecurity
 from evflow.transport.address import connectable
 
 __all__ = ["STAGES", "StartupSteps", "route_source"]
@@ -49,6 +50,7 @@ class StartupSteps:
     connect_timeout_s: float
     start_timeout_s: float
     started_s: float
+    security: FarmSecurity | None
 
     def _tick(self, timeout_s: float) -> None:
         raise NotImplementedError
@@ -79,8 +81,13 @@ class StartupSteps:
         assert self.bus is not None
         req = self.bus.send("get-metrics", "bus")
         deadline = time.monotonic() + 5.0
+        next_send = time.monotonic() + 0.5
         while not self.bus.replies.get(req) and time.monotonic() < deadline:
             self.bus.pump(0.05)
+            if time.monotonic() >= next_send and not self.bus.replies.get(req):
+                next_send = time.monotonic() + 0.5  # a request lost on a young bus
+                self.bus.forget(req)
+                req = self.bus.send("get-metrics", "bus")
         data = next(iter(self.bus.replies.pop(req, {}).values()), {}).get("data") or {}
         pubs = [e for e in data.get("publish_endpoints", []) if e.startswith("tcp://")]
         subs = [e for e in data.get("subscribe_endpoints", []) if e.startswith("tcp://")]
@@ -95,8 +102,11 @@ class StartupSteps:
 
     def _wait_agents(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s
+        refusals = BusRefusals(self) if self.security is not None else None
         while missing := [h for h, r in self.hosts.items() if r.last_beat_s is None]:
             self._tick(0.05)
+            if refusals is not None:
+                refusals.check(missing)
             for name in missing:
                 code = self.handles[name].poll()
                 if code is not None:

@@ -373,12 +373,18 @@ class Controller(StartupSteps):
                     next_send = time.monotonic() + 0.5
                     self.bus.tell("transition", alive, {"transition": "END"}, quiet=True)
                 self._tick(0.05)
-        live = [h for h, r in self.hosts.items() if not r.lost and not r.exited]
+        # an agent never heard on the bus (still starting, or refused) cannot hear the
+        # shutdown either: close() ends it through its launcher, without waiting here
+        live = [
+            h for h, r in self.hosts.items()
+            if not r.lost and not r.exited and r.last_beat_s is not None
+        ]  # fmt: skip
         if live:
             grace = 0.0 if fast or self.signals > 1 else 1.0
             self.bus.tell("shutdown", [agent_id(h) for h in live], {"grace_s": grace})
+        waiting = [self.handles[h] for h in live if h in self.handles]
         deadline = time.monotonic() + 3.0 + self.grace_s
-        while any(h.poll() is None for h in self.handles.values()) and time.monotonic() < deadline:
+        while any(h.poll() is None for h in waiting) and time.monotonic() < deadline:
             self.bus.pump(0.05)
         self.bus.pump(0.05)
 

@@ -164,14 +164,7 @@ class Controller(StartupSteps):
         endpoints = self.sup.bus_endpoints
         self.bus = ControllerBus(self._context, endpoints, self.records, self.hosts, self._answer)
         self._wait_bus()
-        agent_bus = self._agent_bus(endpoints)
-        for name in self.hosts:
-            self._check_interrupt()
-            host = self.topology.hosts[name]
-            args = ["--bus", agent_bus(host.address), "--session", self.session, "--host", name]
-            for module in self.preload:
-                args += ["--preload", module]
-            self.handles[name] = self.launcher.start_agent(host, args, self._agent_env(name))
+        self._start_agents(self._agent_bus(endpoints))
         self._wait_agents()
         self._lap("agents up")
         self._spawn()

@@ -78,6 +78,7 @@ def run_once(
     proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
     assert proc.stderr is not None
     laps: dict[str, float] = {}
+    tail: list[str] = []
     buf = b""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -91,6 +92,8 @@ def run_once(
         *lines, buf = buf.split(b"\n")
         for raw in lines:
             line = raw.decode(errors="replace")
+            if "error" in line.lower():
+                tail.append(line)
             if m := LAP.search(line):
                 laps[m.group(1)] = float(m.group(2))
             if "devices RUNNING on" in line:
@@ -106,7 +109,8 @@ def run_once(
         proc.communicate()
     laps["stop"] = time.perf_counter() - stop
     if "wall" not in laps:
-        raise SystemExit(f"{n} devices: never all RUNNING (laps {laps})")
+        errors = "\n".join(tail[-5:])
+        raise SystemExit(f"{n} devices: never all RUNNING (laps {laps})\n{errors}")
     return laps
 
 

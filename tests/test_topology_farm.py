@@ -172,6 +172,9 @@ def test_detached_over_ssh_status_places_devices_and_plaintext_gets_nothing(
         # the bus's tcp side is CURVE: a plaintext client hears nothing and is not obeyed
         got = plaintext_gets_nothing(farm.controller_address, bus_ports(data["pid"]), session)
         assert got == []
+        # ... and the refusal is logged once with its address (the controller's own log)
+        log = Path(os.environ["EVFLOW_RUNTIME_DIR"], session, "controller.log").read_text()
+        assert f"CURVE refused peer {farm.controller_address}:" in log, log[-3000:]
         again = json.loads(evflow(farm, "status", "--session", session, "--json").stdout)
         assert again["phase"] == "running"
         down = evflow(farm, "down", "--session", session)

@@ -10,6 +10,7 @@ leaves any process on a host.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -142,6 +143,50 @@ def plaintext_gets_nothing(address: str, ports: tuple[int, int], session: str) -
         context.destroy(linger=0)
 
 
+def listening_port(pid: int) -> int:
+    """The tcp port ``pid`` listens on, read in its own namespace (/proc/PID/net/tcp)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+            return int(fields[1].split(":")[1], 16)
+    raise AssertionError(f"process {pid} listens on no tcp port")
+
+
+def stranger_refused(
+    farm: NamespaceFarm, keys: Path, secret: Path, sink_pid: int, log_path: Path
+) -> bool:
+    """Start a sampler on h1 with a foreign key pair against the sink's tcp port."""
+    port = listening_port(sink_pid)
+    h1, h3 = farm.hosts["h1"].address, farm.hosts["h3"].address
+    curve = f"curve=client,curveSecretKey={secret},curveServerKey={keys}/h3.key"
+    stranger = farm.popen("h1", [
+        sys.executable, "-m", "evflow", "device", "sampler", "--id", "stranger",
+        "--max-iterations", "10", "--channel-config",
+        f"name=data,type=dealer,method=connect,address=tcp://{h3}:{port},{curve}",
+    ], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            for line in log_path.read_text().splitlines():
+                # e.g. "ssh h3: ...[h3] channel data[0]: CURVE refused peer 10.201.7.1:
+                # client key ... not in the allow-list"
+                if f"channel data[0]: CURVE refused peer {h1}" in line and (
+                    "not in the allow-list" in line and "ssh h3:" in line
+                ):
+                    return True
+            time.sleep(0.1)
+        return False
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
 def test_detached_over_ssh_status_places_devices_and_plaintext_gets_nothing(
     farm: NamespaceFarm, tmp_path: Path
 ) -> None:
@@ -173,8 +218,14 @@ def test_detached_over_ssh_status_places_devices_and_plaintext_gets_nothing(
         got = plaintext_gets_nothing(farm.controller_address, bus_ports(data["pid"]), session)
         assert got == []
         # ... and the refusal is logged once with its address (the controller's own log)
-        log = Path(os.environ["EVFLOW_RUNTIME_DIR"], session, "controller.log").read_text()
+        log_path = Path(os.environ["EVFLOW_RUNTIME_DIR"], session, "controller.log")
+        log = log_path.read_text()
         assert f"CURVE refused peer {farm.controller_address}:" in log, log[-3000:]
+        # a device with a key not in the allow-list is refused by the sink, and the log
+        # (the sink's, forwarded by its agent to the controller's) names its address
+        stranger_key = make_keys(farm, tmp_path / "stranger") / "h1.key_secret"
+        refused = stranger_refused(farm, keys, stranger_key, rows["sink"]["pid"], log_path)
+        assert refused, f"no refusal of h1's stranger logged: {log_path.read_text()[-3000:]}"
         again = json.loads(evflow(farm, "status", "--session", session, "--json").stdout)
         assert again["phase"] == "running"
         down = evflow(farm, "down", "--session", session)

@@ -1,6 +1,7 @@
 """Start-up of a topology: time from ``evflow up`` to every device RUNNING.
 
 Run: python benchmarks/bench_topology.py [--devices 16,64,256] [--hosts 1] [--repeat 3]
+     python benchmarks/bench_topology.py --farm [--devices 16,64,256] [--repeat 2]   (root)
 
 For N devices: N-2 samplers (1 message/s, 100 B) -> one merger -> one sink, all with
 the local launcher; with ``--hosts K`` the samplers spread round robin over K local
@@ -10,6 +11,11 @@ agents (hosts h1..hK at 127.0.0.1; merger and sink on h1). Two figures per run:
   (interpreter start and imports included: what a user waits for);
 - ``controller``: what the controller itself measured (its own start to the last
   RUNNING state), and the laps it logs at debug level (agents up, spawned, each step).
+
+With ``--farm`` the hosts are 3 network namespaces running sshd (``tests/farm_hosts.py``,
+root needed) and agents start over ssh; each size runs twice side by side: plaintext
+(``--insecure``) and with CURVE keys (``--keys``, every tcp socket and the bus CURVE;
+binders then bind tcp only, so same-host peers use tcp too).
 
 Each run is stopped with Ctrl-C afterwards (orderly shutdown); the stop time is shown
 too. The goal: 256 devices RUNNING within 3 s.
@@ -54,11 +60,15 @@ class = "sink"
 """
 
 
-def run_once(workdir: Path, n: int, hosts: int) -> dict[str, float]:
+def run_once(
+    workdir: Path, n: int, hosts: int, farm_args: list[str] | None = None
+) -> dict[str, float]:
     topo = workdir / f"bench{n}.toml"
     topo.write_text(topology(n, hosts))
     argv = [sys.executable, "-m", "evflow", "up", str(topo), "--quiet", "--severity", "debug"]
-    if hosts > 1:
+    if farm_args is not None:
+        argv += farm_args
+    elif hosts > 1:
         hosts_file = workdir / "hosts.toml"
         hosts_file.write_text(
             "[hosts]\n" + "".join(f'h{i + 1} = {{ address = "127.0.0.1" }}\n' for i in range(hosts))
@@ -68,6 +78,7 @@ def run_once(workdir: Path, n: int, hosts: int) -> dict[str, float]:
     proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
     assert proc.stderr is not None
     laps: dict[str, float] = {}
+    tail: list[str] = []
     buf = b""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -81,6 +92,8 @@ def run_once(workdir: Path, n: int, hosts: int) -> dict[str, float]:
         *lines, buf = buf.split(b"\n")
         for raw in lines:
             line = raw.decode(errors="replace")
+            if "error" in line.lower():
+                tail.append(line)
             if m := LAP.search(line):
                 laps[m.group(1)] = float(m.group(2))
             if "devices RUNNING on" in line:
@@ -96,8 +109,57 @@ def run_once(workdir: Path, n: int, hosts: int) -> dict[str, float]:
         proc.communicate()
     laps["stop"] = time.perf_counter() - stop
     if "wall" not in laps:
-        raise SystemExit(f"{n} devices: never all RUNNING (laps {laps})")
+        errors = "\n".join(tail[-5:])
+        raise SystemExit(f"{n} devices: never all RUNNING (laps {laps})\n{errors}")
     return laps
+
+
+HEADER = (
+    f"{'devices':>7} {'hosts':>5} {'mode':>8} {'wall s':>7} {'ctrl s':>7} {'agents':>7} "
+    f"{'spawned':>8} {'stop s':>7}"
+)
+
+
+def row(n: int, hosts: int, mode: str, laps: dict[str, float]) -> str:
+    return (
+        f"{n:>7} {hosts:>5} {mode:>8} {laps['wall']:>7.2f} "
+        f"{laps.get('all RUNNING', float('nan')):>7.2f} "
+        f"{laps.get('agents up', float('nan')):>7.2f} "
+        f"{laps.get('devices spawned', float('nan')):>8.2f} {laps['stop']:>7.2f}"
+    )
+
+
+def run_farm(sizes: list[int], repeat: int) -> None:
+    """3 namespace hosts over ssh: plaintext and CURVE side by side for each size."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+    from farm_hosts import NamespaceFarm, missing_for_farm
+
+    reason = missing_for_farm()
+    if reason:
+        raise SystemExit(f"--farm needs namespace hosts: {reason}")
+    with tempfile.TemporaryDirectory(prefix="evb-") as tmp, NamespaceFarm(3) as farm:
+        work = Path(tmp)
+        os.environ["EVFLOW_RUNTIME_DIR"] = str(work / "rt")
+        os.environ.update(farm.ssh_env())
+        hosts_file = farm.write_hosts_file(work / "hosts.toml")
+        keys = work / "keys"
+        subprocess.run(
+            [sys.executable, "-m", "evflow", "keys", str(keys), "--names", "controller",
+             *farm.hosts],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        common = ["--hosts", str(hosts_file), "--launcher", "ssh"]
+        modes = {"plain": [*common, "--insecure"], "curve": [*common, "--keys", str(keys)]}
+        print(HEADER)
+        for n in sizes:
+            for _ in range(repeat):
+                for mode, extra in modes.items():
+                    laps = run_once(work, n, 3, extra)
+                    print(row(n, 3, mode, laps), flush=True)
+                    left = {h: farm.leftovers(h, timeout_s=10) for h in farm.hosts}
+                    if any(left.values()):
+                        raise SystemExit(f"left on the hosts after the run: {left}")
+    print(f"load average at the end: {os.getloadavg()}")
 
 
 def main() -> None:
@@ -105,22 +167,19 @@ def main() -> None:
     parser.add_argument("--devices", default="16,64,256")
     parser.add_argument("--hosts", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--farm", action="store_true", help="3 namespace hosts over ssh (root)")
     args = parser.parse_args()
     sizes = [int(x) for x in args.devices.split(",")]
+    if args.farm:
+        run_farm(sizes, args.repeat)
+        return
     with tempfile.TemporaryDirectory(prefix="evb-") as tmp:
         os.environ["EVFLOW_RUNTIME_DIR"] = str(Path(tmp) / "rt")
-        print(f"{'devices':>7} {'hosts':>5} {'wall s':>7} {'ctrl s':>7} {'agents':>7} "
-              f"{'spawned':>8} {'stop s':>7}")  # fmt: skip
+        print(HEADER)
         for n in sizes:
             for _ in range(args.repeat):
                 laps = run_once(Path(tmp), n, args.hosts)
-                print(
-                    f"{n:>7} {args.hosts:>5} {laps['wall']:>7.2f} "
-                    f"{laps.get('all RUNNING', float('nan')):>7.2f} "
-                    f"{laps.get('agents up', float('nan')):>7.2f} "
-                    f"{laps.get('devices spawned', float('nan')):>8.2f} {laps['stop']:>7.2f}",
-                    flush=True,
-                )
+                print(row(n, args.hosts, "local", laps), flush=True)
     print(f"load average at the end: {os.getloadavg()}")
 
 

@@ -31,6 +31,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("topology", metavar="TOPOLOGY.toml")
     parser.add_argument("--launcher", default="local", choices=("local", "ssh", "slurm"))
     parser.add_argument("--hosts", default=None, metavar="HOSTS.toml", help="a [hosts] file")
+    parser.add_argument(
+        "--keys",
+        default=None,
+        metavar="DIR",
+        help="CURVE keys (evflow keys DIR --names controller HOST...): every tcp socket, "
+        "the control bus included, uses CURVE (default: $EVFLOW_CURVE_KEYS)",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a topology that spans hosts to run with plaintext tcp (no keys)",
+    )
     parser.add_argument("--session", default="", help="session name (default: NAME-xxxxxx)")
     parser.add_argument("--detach", action="store_true", help="return once all devices are RUNNING")
     parser.add_argument(
@@ -49,12 +61,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--quiet", action="store_true", help="no live table or state lines")
     parser.add_argument(
         "--severity", default="info", choices=("debug", "info", "warn", "error"), help="log level"
-    )
-    parser.add_argument(
-        "--insecure",
-        action="store_true",
-        help="allow plaintext tcp between hosts (needed with the ssh and slurm launchers "
-        "until evflow up sets up CURVE keys)",
     )
     parser.add_argument("--notify-fd", type=int, default=-1, help=argparse.SUPPRESS)
     parser.set_defaults(func=_handle)
@@ -76,6 +82,29 @@ def _load(args: argparse.Namespace) -> Any:
     return resolve(load_topology(args.topology, hosts))
 
 
+def _security(args: argparse.Namespace, topology: Any) -> Any:
+    """The topology's CURVE keys (None: plaintext), or one error naming the fix."""
+    from evflow.topology.security import farm_security
+
+    used = {d.host for d in topology.devices.values()}
+    hosts_file = args.hosts or (args.topology if "hosts" in _toml_tables(args.topology) else "")
+    return farm_security(
+        topology_name=topology.name,
+        launcher=args.launcher,
+        hosts={h: topology.hosts[h] for h in used},
+        hosts_file=hosts_file,
+        keys_dir=args.keys,
+        insecure=args.insecure,
+    )
+
+
+def _toml_tables(path: str) -> set[str]:
+    import tomllib
+
+    with open(path, "rb") as f:
+        return set(tomllib.load(f))
+
+
 def _handle(args: argparse.Namespace) -> int:
     holder: dict[str, Any] = {"ctrl": None, "early": 0}
 
@@ -93,33 +122,20 @@ def _handle(args: argparse.Namespace) -> int:
                 f"--session {args.session!r}: use letters, digits, '_' and '-' (at most 40)"
             )
         session = args.session or session_name(topology.name)
-        _check_security(args, topology)
+        security = _security(args, topology)
         if args.detach:
             return _detach(args, session)
         if holder["early"]:
             return 130
-        return _run(args, topology, session, holder)
+        return _run(args, topology, session, holder, security)
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
 
 
-def _check_security(args: argparse.Namespace, topology: Any) -> None:
-    """A topology over other hosts' networks runs in plaintext only when asked to."""
-    if args.launcher == "local":
-        return
-    hosts = ", ".join(sorted(topology.hosts))
-    if not args.insecure:
-        raise ConfigurationError(
-            f"{topology.source}: the topology runs on hosts {hosts} over tcp without CURVE "
-            "keys; pass --insecure to run it in plaintext on a trusted network"
-        )
-    logging.getLogger("evflow.topology").warning(
-        "--insecure: control bus and data channels between hosts %s are plaintext tcp", hosts
-    )
-
-
-def _run(args: argparse.Namespace, topology: Any, session: str, holder: dict[str, Any]) -> int:
+def _run(
+    args: argparse.Namespace, topology: Any, session: str, holder: dict[str, Any], security: Any
+) -> int:
     from evflow.topology.controller import Controller
     from evflow.topology.protocol import CONNECT_TIMEOUT_S
     from evflow.topology.view import make_view
@@ -155,6 +171,7 @@ def _run(args: argparse.Namespace, topology: Any, session: str, holder: dict[str
         preload=tuple(args.preload),
         view=view,
         on_up=on_up,
+        security=security,
     )
     holder["ctrl"] = ctrl
     for _ in range(holder["early"]):
@@ -225,6 +242,10 @@ def _detach(args: argparse.Namespace, session: str) -> int:
         argv.append("--insecure")
     if args.hosts:
         argv += ["--hosts", args.hosts]
+    if args.keys:
+        argv += ["--keys", os.path.abspath(args.keys)]
+    if args.insecure:
+        argv += ["--insecure"]
     if args.stats_dir:
         argv += ["--stats-dir", os.path.abspath(args.stats_dir)]
     if args.connect_timeout:

@@ -101,14 +101,23 @@ class BusProxy:
         subscribe_address: str = f"ipc://{BUS_OUT}",
     ) -> None:
         self.session = session
-        self._xsub: Channel = _open_bound(context, session, "bus-in", "xsub", publish_address)
+        # ipc and tcp on separate sockets: with farm CURVE keys the tcp side is a CURVE
+        # server, while local clients (the controller, evflow status) stay on plain ipc
+        self._xsubs: list[Channel] = []
+        self._xpubs: list[Channel] = []
         try:
-            self._xpub: Channel = _open_bound(
-                context, session, "bus-out", "xpub", subscribe_address
-            )
+            for part in _by_scheme(publish_address):
+                self._xsubs.append(_open_bound(context, session, "bus-in", "xsub", part))
+            for part in _by_scheme(subscribe_address):
+                self._xpubs.append(_open_bound(context, session, "bus-out", "xpub", part))
         except BaseException:
-            self._xsub.close(0)
+            for ch in self._xsubs + self._xpubs:
+                ch.close(0)
             raise
+        self._xsub, self._xpub = self._xsubs[0], self._xpubs[0]
+        # topic -> the XPUB sockets with a subscriber to it (an unsubscribe goes upstream
+        # only when no XPUB has one left)
+        self._topics: dict[bytes, set[int]] = {}
         self.endpoints = BusEndpoints(self._xsub.endpoints[0], self._xpub.endpoints[0])
         self.bad = BadMessageCounter(f"bus proxy {session}")
         self.forwarded = 0
@@ -116,7 +125,7 @@ class BusProxy:
         # get-metrics: the proxy's own traffic, buffers, RSS and CPU (of the process it
         # runs in: its own, or the supervisor's when it runs as a thread there)
         self._metrics = ProcessMetrics(PROXY_ID)
-        self._metrics.add_channels([self._xsub, self._xpub])
+        self._metrics.add_channels([*self._xsubs, *self._xpubs])
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.closed = False
@@ -131,40 +140,54 @@ class BusProxy:
     def run(self) -> None:
         """Forward until :meth:`stop`; then return (sockets stay open until close())."""
         poller = zmq.Poller()
-        poller.register(self._xsub.socket, zmq.POLLIN)
-        poller.register(self._xpub.socket, zmq.POLLIN)
+        sides: dict[Any, tuple[bool, Channel]] = {}
+        for ch in self._xsubs:
+            poller.register(ch.socket, zmq.POLLIN)
+            sides[ch.socket] = (True, ch)
+        for ch in self._xpubs:
+            poller.register(ch.socket, zmq.POLLIN)
+            sides[ch.socket] = (False, ch)
         while not self._stop.is_set():
             for sock, _ in poller.poll(POLL_MS):
-                if sock is self._xsub.socket:
-                    self._forward_messages()
+                inbound, ch = sides[sock]
+                if inbound:
+                    self._forward_messages(ch)
                 else:
-                    self._forward_subscriptions()
+                    self._forward_subscriptions(ch)
 
-    def _forward_messages(self) -> None:
+    def _forward_messages(self, xsub: Channel) -> None:
         for _ in range(1000):
             try:
-                frames = self._xsub.recv(zmq.NOBLOCK)
+                frames = xsub.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
             msg = self.bad.decode(frames)
             if msg is None:
                 continue
-            self._xpub.send(frames)
+            for xpub in self._xpubs:
+                xpub.send(frames)
             self.forwarded += 1
             if msg.type is MsgType.COMMAND:
                 self._answer(msg.header)
 
-    def _forward_subscriptions(self) -> None:
+    def _forward_subscriptions(self, xpub: Channel) -> None:
+        side = self._xpubs.index(xpub)
         for _ in range(1000):
             try:
-                frames = self._xpub.recv(zmq.NOBLOCK)
+                frames = xpub.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
             first = bytes(frames[0]) if frames else b""
             if len(frames) != 1 or not first or first[0] not in (0, 1):
                 self.bad.record("bad-subscription", f"{len(frames)} frame(s), {first[:16]!r}")
                 continue
-            self._xsub.send([first])
+            holders = self._topics.setdefault(first[1:], set())
+            before = bool(holders)
+            (holders.add if first[0] == 1 else holders.discard)(side)
+            if bool(holders) == before and len(self._xpubs) > 1:
+                continue  # another XPUB still (or already) has a subscriber to it
+            for xsub in self._xsubs:
+                xsub.send([first])
 
     def _answer(self, header: dict[Any, Any]) -> None:
         """Reply to commands addressed to the proxy itself (or to all)."""
@@ -192,8 +215,15 @@ class BusProxy:
                     "uptime_s": round(now - self.started_s, 3),
                     "endpoints": str(self.endpoints),
                     # every endpoint (e.g. ipc and a tcp port picked at bind), for other hosts
-                    "publish_endpoints": list(self._xsub.endpoints),
-                    "subscribe_endpoints": list(self._xpub.endpoints),
+                    "publish_endpoints": [e for ch in self._xsubs for e in ch.endpoints],
+                    "subscribe_endpoints": [e for ch in self._xpubs for e in ch.endpoints],
+                    # CURVE refusals on the tcp side (a farm's agents with a wrong key)
+                    "refusals": [
+                        {"peer": peer, "reason": reason}
+                        for ch in self._xsubs + self._xpubs
+                        if ch.security is not None
+                        for peer, reason in ch.security.refused_peers
+                    ],
                 },
             )
         reply = {
@@ -204,7 +234,8 @@ class BusProxy:
             "ok": True,
             "data": data,
         }
-        self._xpub.send(encode_message(MsgType.REPLY, reply))
+        for xpub in self._xpubs:
+            xpub.send(encode_message(MsgType.REPLY, reply))
 
     def start_thread(self) -> threading.Thread:
         """Run the proxy in a daemon thread; :meth:`close` stops and joins it."""
@@ -220,14 +251,22 @@ class BusProxy:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self.closed = True
-        self._xsub.close(0)
-        self._xpub.close(0)
+        for ch in self._xsubs + self._xpubs:
+            ch.close(0)
 
     def __enter__(self) -> BusProxy:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _by_scheme(address: str) -> list[str]:
+    """``ipc://a;tcp://*:0`` -> ``["ipc://a", "tcp://*:0"]`` (local endpoints first)."""
+    parts = [p for p in address.split(";") if p]
+    local = ";".join(p for p in parts if not p.startswith("tcp://"))
+    remote = ";".join(p for p in parts if p.startswith("tcp://"))
+    return [a for a in (local, remote) if a] or [address]
 
 
 def run_bus_proxy(

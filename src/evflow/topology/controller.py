@@ -42,7 +42,8 @@ from evflow.topology.protocol import (
 )
 from evflow.topology.records import DeviceRecord, HostRecord, violations
 from evflow.topology.resolve import ResolvedTopology
-from evflow.topology.startup import STAGES, StartupSteps
+from evflow.topology.security import FarmSecurity, tcp_only_binds
+from evflow.topology.startup import STAGES, StartupSteps, route_source
 
 log = logging.getLogger("evflow.topology")
 
@@ -69,6 +70,7 @@ class Controller(StartupSteps):
         preload: tuple[str, ...] = (),
         view: Any = None,
         on_up: Any = None,
+        security: FarmSecurity | None = None,
     ) -> None:
         self.topology = topology
         self.session = session
@@ -86,6 +88,9 @@ class Controller(StartupSteps):
         self.preload = preload
         self.view = view
         self.on_up = on_up
+        self.security = security
+        if security is not None:
+            tcp_only_binds(topology)
         self.records = {d.id: DeviceRecord(d) for d in topology.devices.values()}
         self.hosts = {h: HostRecord(h) for h in sorted({d.host for d in topology.devices.values()})}
         self.handles: dict[str, AgentHandle] = {}
@@ -141,6 +146,12 @@ class Controller(StartupSteps):
     def start(self) -> None:
         from evflow.transport.sessions import claim_session, remove_stale_sessions
 
+        if self.security is not None:
+            # before the bus proxy is forked: it binds tcp as a CURVE server
+            self.security.controller_addresses = sorted(
+                {route_source(self.topology.hosts[h].address) for h in self.hosts}
+            )
+            self.security.apply_to_controller()
         removed = remove_stale_sessions()
         if removed:
             log.info("pre-flight: removed leftovers of dead session(s) %s", ", ".join(removed))
@@ -153,14 +164,7 @@ class Controller(StartupSteps):
         endpoints = self.sup.bus_endpoints
         self.bus = ControllerBus(self._context, endpoints, self.records, self.hosts, self._answer)
         self._wait_bus()
-        agent_bus = self._agent_bus(endpoints)
-        for name in self.hosts:
-            self._check_interrupt()
-            host = self.topology.hosts[name]
-            args = ["--bus", agent_bus(host.address), "--session", self.session, "--host", name]
-            for module in self.preload:
-                args += ["--preload", module]
-            self.handles[name] = self.launcher.start_agent(host, args, self._agent_env())
+        self._start_agents(self._agent_bus(endpoints))
         self._wait_agents()
         self._lap("agents up")
         self._spawn()
@@ -188,8 +192,11 @@ class Controller(StartupSteps):
 
         return session_dir(self.session)
 
-    def _agent_env(self) -> dict[str, str]:
-        return {k: os.environ[k] for k in ("EVFLOW_RUNTIME_DIR", "PYTHONPATH") if k in os.environ}
+    def _agent_env(self, host: str) -> dict[str, str]:
+        env = {k: os.environ[k] for k in ("EVFLOW_RUNTIME_DIR", "PYTHONPATH") if k in os.environ}
+        if self.security is not None:
+            env.update(self.security.agent_env(host))
+        return env
 
     def _check_interrupt(self) -> None:
         if self.stopping:
@@ -359,12 +366,18 @@ class Controller(StartupSteps):
                     next_send = time.monotonic() + 0.5
                     self.bus.tell("transition", alive, {"transition": "END"}, quiet=True)
                 self._tick(0.05)
-        live = [h for h, r in self.hosts.items() if not r.lost and not r.exited]
+        # an agent never heard on the bus (still starting, or refused) cannot hear the
+        # shutdown either: close() ends it through its launcher, without waiting here
+        live = [
+            h for h, r in self.hosts.items()
+            if not r.lost and not r.exited and r.last_beat_s is not None
+        ]  # fmt: skip
         if live:
             grace = 0.0 if fast or self.signals > 1 else 1.0
             self.bus.tell("shutdown", [agent_id(h) for h in live], {"grace_s": grace})
+        waiting = [self.handles[h] for h in live if h in self.handles]
         deadline = time.monotonic() + 3.0 + self.grace_s
-        while any(h.poll() is None for h in self.handles.values()) and time.monotonic() < deadline:
+        while any(h.poll() is None for h in waiting) and time.monotonic() < deadline:
             self.bus.pump(0.05)
         self.bus.pump(0.05)
 

@@ -19,6 +19,7 @@ from evflow.topology.launch.base import AgentHandle
 from evflow.topology.protocol import CONTROLLER_ID, agent_id
 from evflow.topology.records import RANK, DeviceRecord, HostRecord
 from evflow.topology.resolve import ResolvedTopology
+from evflow.topology.security import BusRefusals, FarmSecurity
 from evflow.transport.address import connectable
 
 __all__ = ["STAGES", "StartupSteps", "route_source"]
@@ -49,6 +50,13 @@ class StartupSteps:
     connect_timeout_s: float
     start_timeout_s: float
     started_s: float
+    security: FarmSecurity | None
+    launcher: Any
+    preload: tuple[str, ...]
+    session: str
+
+    def _agent_env(self, host: str) -> dict[str, str]:
+        raise NotImplementedError
 
     def _tick(self, timeout_s: float) -> None:
         raise NotImplementedError
@@ -79,8 +87,13 @@ class StartupSteps:
         assert self.bus is not None
         req = self.bus.send("get-metrics", "bus")
         deadline = time.monotonic() + 5.0
+        next_send = time.monotonic() + 0.5
         while not self.bus.replies.get(req) and time.monotonic() < deadline:
             self.bus.pump(0.05)
+            if time.monotonic() >= next_send and not self.bus.replies.get(req):
+                next_send = time.monotonic() + 0.5  # a request lost on a young bus
+                self.bus.forget(req)
+                req = self.bus.send("get-metrics", "bus")
         data = next(iter(self.bus.replies.pop(req, {}).values()), {}).get("data") or {}
         pubs = [e for e in data.get("publish_endpoints", []) if e.startswith("tcp://")]
         subs = [e for e in data.get("subscribe_endpoints", []) if e.startswith("tcp://")]
@@ -93,10 +106,43 @@ class StartupSteps:
 
         return for_host
 
+    def _start_agents(self, agent_bus: Any) -> None:
+        """One agent per host; over ssh/Slurm all hosts at once (each start waits for
+        its remote side: about a second per host over ssh)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._check_interrupt()
+        launches = {}
+        for name in self.hosts:
+            host = self.topology.hosts[name]
+            args = ["--bus", agent_bus(host.address), "--session", self.session, "--host", name]
+            for module in self.preload:
+                args += ["--preload", module]
+            launches[name] = (host, args, self._agent_env(name))
+        if self.local:  # a fork each: quick, and preexec_fn is no friend of threads
+            for name, (host, args, env) in launches.items():
+                self._check_interrupt()
+                self.handles[name] = self.launcher.start_agent(host, args, env)
+            return
+        error: BaseException | None = None
+        with ThreadPoolExecutor(max_workers=min(32, len(launches))) as pool:
+            futures = {n: pool.submit(self.launcher.start_agent, *a) for n, a in launches.items()}
+            for name, future in futures.items():
+                try:
+                    self.handles[name] = future.result()
+                except Exception as exc:  # every started agent is in handles for close()
+                    error = error or exc
+        if error is not None:
+            raise error
+        self._check_interrupt()
+
     def _wait_agents(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s
+        refusals = BusRefusals(self) if self.security is not None else None
         while missing := [h for h, r in self.hosts.items() if r.last_beat_s is None]:
             self._tick(0.05)
+            if refusals is not None:
+                refusals.check(missing)
             for name in missing:
                 code = self.handles[name].poll()
                 if code is not None:

@@ -209,6 +209,8 @@ class CurveSecurity:
         self.label = label
         self.options = options
         self.refusals = 0
+        #: the first refusals (peer, reason), for a controller that asks the bus proxy
+        self.refused_peers: list[tuple[str, str]] = []
         self._logged: set[tuple[str, str]] = set()
         self._zap: _Zap | None = None
         self._monitor: threading.Thread | None = None
@@ -249,6 +251,8 @@ class CurveSecurity:
         if (peer, reason) in self._logged:
             return
         self._logged.add((peer, reason))
+        if len(self.refused_peers) < 50:
+            self.refused_peers.append((peer, reason))
         log.warning("channel %s: CURVE refused peer %s: %s", self.label, peer, reason)
 
     def _watch(self, monitor: zmq.Socket[Any]) -> None:
@@ -298,11 +302,13 @@ def _peer_of(fd: int) -> str:
     """``ip:port`` of the peer on an accepted socket's fd (read at once, before it closes)."""
     try:
         with pysocket.socket(fileno=os.dup(fd)) as s:
-            host, port = s.getpeername()[:2]
-            return f"{host}:{port}"
+            peer = s.getpeername()
     except OSError:
         # libzmq closed it before this thread got to it (a handshake that failed at once)
         return "(address unknown: the connection closed before it was read)"
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        return f"{peer[0]}:{peer[1]}"
+    return str(peer) or "(local socket)"  # an ipc peer has no address
 
 
 # --- one key pair per host: channel options for a topology ----------------------------

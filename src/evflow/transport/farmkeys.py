@@ -28,6 +28,10 @@ from evflow.transport.curve import CurveOptions, KeyRing
 ENV_KEYS = "EVFLOW_CURVE_KEYS"
 ENV_HOST = "EVFLOW_HOST"
 ENV_HOSTS_FILE = "EVFLOW_HOSTS_FILE"
+#: the controller's addresses (comma-separated), set by ``evflow up`` for its agents:
+#: the control bus there is a CURVE server with the key pair ``DIR/controller``
+ENV_CONTROLLER = "EVFLOW_CURVE_CONTROLLER"
+CONTROLLER_KEY = "controller"
 _LOOPBACK = ("127.", "localhost", "::1")
 
 
@@ -72,17 +76,17 @@ class FarmKeys:
             ) from None
 
 
-_cached: tuple[tuple[str, str, str], FarmKeys | None] | None = None
+_cached: tuple[tuple[str, str, str, str], FarmKeys | None] | None = None
 
 
 def farm_keys() -> FarmKeys | None:
     """The farm keys named by the environment (None when ``EVFLOW_CURVE_KEYS`` is unset)."""
     global _cached
     env = (os.environ.get(ENV_KEYS, ""), os.environ.get(ENV_HOST, ""),
-           os.environ.get(ENV_HOSTS_FILE, ""))  # fmt: skip
+           os.environ.get(ENV_HOSTS_FILE, ""), os.environ.get(ENV_CONTROLLER, ""))  # fmt: skip
     if _cached is not None and _cached[0] == env:
         return _cached[1]
-    keys_dir, host, hosts_file = env
+    keys_dir, host, hosts_file, controller = env
     keys: FarmKeys | None = None
     if keys_dir:
         if not host or not hosts_file:
@@ -93,8 +97,10 @@ def farm_keys() -> FarmKeys | None:
         from evflow.topology.hosts import load_hosts
 
         hosts = load_hosts(Path(hosts_file))
-        if host not in hosts:
+        if host not in hosts and host != CONTROLLER_KEY:
             raise ConfigurationError(f"{ENV_HOST}={host!r} is not a host of {hosts_file}")
-        keys = FarmKeys(KeyRing(keys_dir), host, {h.address: h.name for h in hosts.values()})
+        by_address = {h.address: h.name for h in hosts.values()}
+        by_address.update({a: CONTROLLER_KEY for a in controller.split(",") if a})
+        keys = FarmKeys(KeyRing(keys_dir), host, by_address)
     _cached = (env, keys)
     return keys

@@ -86,7 +86,7 @@ class GuardedProcess:
                     continue
                 if line:
                     self._lines.append(line)
-                    log.debug("%s %s: %s", self.what, self.host.name, line)
+                    log.info("%s %s: %s", self.what, self.host.name, line)
         except (OSError, ValueError):
             pass
         finally:

@@ -21,6 +21,7 @@ import zmq
 
 from evflow.errors import EvflowError, ModuleError
 from evflow.processing.datastore import RunMeta
+from evflow.processing.parallel import tcpwire
 from evflow.processing.parallel.rolebus import RoleBus
 from evflow.processing.parallel.split import SplitPath
 from evflow.runtime.states import State
@@ -46,7 +47,10 @@ def channel(ctx: zmq.Context[Any], session: str, name: str, kind: str, method: s
         linger=0,
         rateLogging=0,
     )
-    return open_channel(ctx, config, session)
+    ch = open_channel(ctx, tcpwire.adjust(config), session)  # hosts runs: + tcp (tcpwire.py)
+    if method == "bind":
+        tcpwire.publish(session, name, ch.endpoints)
+    return ch
 
 
 def run_of(header_value: Any) -> RunMeta | None:

@@ -161,6 +161,7 @@ class _Input:
         self.timeouts_asked: set[Any] = set()
         # replacements on their way, recycled workers whose results are due (roster.py)
         self.roster = Roster()
+        self.requeued_lost: dict[str, int] = {}  # lost worker -> events it held, re-sent
         self.next_check_s = 0.0
         timeout_s = self.ledger.event_timeout_s or 0.0
         self.check_ms = int(min(IDLE_WAIT_MS, max(TIMEOUT_CHECK_MS, timeout_s * 10)))
@@ -260,6 +261,7 @@ class _Input:
             "cpu_s": time.process_time(),
             "ledger": _ledger_counts(self.ledger),
             "failures": self.failure_log.as_list(),
+            "requeued": self.requeued_lost,
         }
         if self.abort:
             result["aborted"] = True
@@ -375,7 +377,8 @@ class _Input:
             # alone), idle (nobody charged, -1), or unknown (the ledger's READY guess)
             blame = msg.header.get("blame")
             culprit = int(msg.header["uid"]) if blame == "busy" else -1 if blame == "idle" else None
-            self.requeue(str(msg.header["name"]), failure, culprit)
+            n = self.requeue(str(msg.header["name"]), failure, culprit)
+            self.requeued_lost[str(msg.header["name"])] = n  # the summary's "events re-sent"
             # a replacement forked at once: the run does not end before it said HELLO
             replacement = msg.header.get("replacement")
             self.roster.lost(str(msg.header["name"]), str(replacement) if replacement else None)

@@ -100,6 +100,12 @@ class _Host:
         self.workers: dict[str, int] = {}  # live worker name -> pid (0: not yet known)
         self.lost_at = 0.0
         self.losses = 0
+        self.agent = spec.name  # its agent's name: a restarted agent gets NAME.N
+
+    def next_agent(self) -> str:
+        """A fresh name for a restarted agent: an old one heard again is told apart."""
+        self.agent = f"{self.spec.name}.{self.losses}" if self.losses else self.spec.name
+        return self.agent
 
 
 class FarmParent(Parent):
@@ -171,7 +177,7 @@ class FarmParent(Parent):
             )
         bus = self.farm_proxy.endpoints
         args = ["--bus", f"{bus.publish},{bus.subscribe}", "--session", self.session,
-                "--host", host.spec.name, "--steering", str(Path(file).resolve()),
+                "--host", host.next_agent(), "--steering", str(Path(file).resolve()),
                 "--steering-argv", json.dumps(sys.argv[1:]), "--cwd", os.getcwd(),
                 "--controller-lost-s", "4"]  # fmt: skip
         env = {k: os.environ[k] for k in ("EVFLOW_RUNTIME_DIR", "PYTHONPATH") if k in os.environ}
@@ -230,8 +236,12 @@ class FarmParent(Parent):
             if msg is None:
                 continue
             sender = str(msg.header.get("from", ""))
-            host = self.farm.get(sender[len("agent.") :]) if sender.startswith("agent.") else None
+            host = self.farm.get(sender[len("agent.") :].split(".")[0]) if sender.startswith(
+                "agent.") else None  # fmt: skip
             if host is None:
+                continue
+            if sender != f"agent.{host.agent}":  # an agent of before a loss, heard again
+                self._command("shutdown", sender, {"grace_s": 0.5})
                 continue
             host.last_beat_s = now
             agent = (msg.header.get("metrics") or {}).get("agent")
@@ -302,7 +312,7 @@ class FarmParent(Parent):
         args = {"workers": names, "endpoints": self.endpoints,
                 "event_buffer": self.options.event_buffer,
                 "curve": self.curve.get(host.spec.name) if self.curve else None}  # fmt: skip
-        self._command("spawn-workers", f"agent.{host.spec.name}", args)
+        self._command("spawn-workers", f"agent.{host.agent}", args)
 
     def _spawn_worker(self, index: int) -> None:
         """Workers are forked by their hosts' agents (``_tend_host``), not here."""
@@ -311,7 +321,7 @@ class FarmParent(Parent):
         host = self.host_of.get(name)
         if host is not None:
             self.timed_out.add(hash(name))
-            self._command("kill-worker", f"agent.{host}", {"name": name})
+            self._command("kill-worker", f"agent.{self.farm[host].agent}", {"name": name})
             self.farm[host].workers.pop(name, None)
             self._lost(name, -9, "timeout", self._replacement(host, name))
 
@@ -366,7 +376,8 @@ class FarmParent(Parent):
         requeued = self.results.get("input", ({}, []))[0].get("requeued") or {}
         counters = dict(summary.counters)
         counters["hosts"] = len(self.farm)
-        counters["hosts lost"] = len(self.lost_hosts)
+        counters["hosts lost"] = len(set(self.lost_hosts))
+        counters["host losses"] = len(self.lost_hosts)
         for name in dict.fromkeys(self.lost_hosts):
             resent = sum(int(requeued.get(w, 0)) for w in self.lost_workers_of.get(name, []))
             counters[f"host {name} lost: events re-sent"] = resent

@@ -100,11 +100,17 @@ class _Host:
         self.workers: dict[str, int] = {}  # live worker name -> pid (0: not yet known)
         self.lost_at = 0.0
         self.losses = 0
+        self.launches = 0
+        self.ever_up = False  # heard at least once
+        self.retry = False  # lost or its start failed: started again every rejoin_s
+        self.told = ""  # the last start error said on stderr
         self.agent = spec.name  # its agent's name: a restarted agent gets NAME.N
 
     def next_agent(self) -> str:
         """A fresh name for a restarted agent: an old one heard again is told apart."""
-        self.agent = f"{self.spec.name}.{self.losses}" if self.losses else self.spec.name
+        self.launches += 1
+        n = self.launches - 1
+        self.agent = f"{self.spec.name}.{n}" if n else self.spec.name
         return self.agent
 
 
@@ -215,6 +221,11 @@ class FarmParent(Parent):
         self._sub.close(0)
         self._pub.close(0)
         self.farm_proxy.close()
+        # a host killed outright leaves its agent's session directory (shared or local
+        # filesystem): its owner is dead now, so it goes, as after any dead run
+        from evflow.transport.sessions import remove_stale_sessions
+
+        remove_stale_sessions()
 
     # --- the bus ------------------------------------------------------------------------
     def _command(self, cmd: str, to: str, args: dict[str, Any]) -> None:
@@ -259,7 +270,7 @@ class FarmParent(Parent):
 
     def _beat(self, host: _Host, agent: dict[str, Any]) -> None:
         if not host.alive:
-            host.alive = True
+            host.alive, host.ever_up, host.retry = True, True, False
             if host.losses:
                 say(f"evflow: host {host.spec.name!r} is back: it rejoins the pool")
         devices = agent.get("devices")
@@ -294,15 +305,31 @@ class FarmParent(Parent):
                 self._spawn_remote(host, names)
             return
         starting = host.starting is not None and host.starting.is_alive()
-        if host.start_error and not host.losses and not starting:
-            self._fail(PeerLostError(f"host {name!r}: {host.start_error}"))
-            return
+        if host.start_error and not starting:
+            self._start_failed(name, host, now)
+            if self.error is not None:
+                return
         ended = host.handle is None or host.handle.poll() is not None
         due = now - host.lost_at > self.rejoin_s
-        if host.losses and due and ended and not starting and not ending and not input_done:
+        if host.retry and due and ended and not starting and not ending and not input_done:
             host.handle = None
             host.lost_at = now
             self._launch(host)
+
+    def _start_failed(self, name: str, host: _Host, now: float) -> None:
+        """A host that cannot be reached: the run goes on with the others (and tries it
+        again every rejoin_s); when no host was ever reached, one error names each."""
+        failed = {n: h.start_error for n, h in self.farm.items() if h.start_error}
+        if not any(h.ever_up for h in self.farm.values()) and len(failed) == len(self.farm):
+            self._fail(PeerLostError("; ".join(f"host {n!r}: {e}" for n, e in failed.items())))
+            return
+        if host.start_error != host.told:
+            say(
+                f"evflow: host {name!r} cannot be started ({host.start_error}); the run "
+                f"goes on with the other hosts and tries it again every {self.rejoin_s:g} s"
+            )
+            host.told = host.start_error
+        host.start_error, host.retry, host.lost_at = "", True, now
 
     def _spawn_remote(self, host: _Host, names: list[str]) -> None:
         assert self.endpoints is not None
@@ -350,7 +377,7 @@ class FarmParent(Parent):
         self._send("input", MsgType.WORKER_LOST, lost)
 
     def _host_lost(self, name: str, host: _Host, now: float, why: str) -> None:
-        host.alive, host.spawned, host.lost_at = False, False, now
+        host.alive, host.spawned, host.lost_at, host.retry = False, False, now, True
         host.losses += 1
         self.lost_hosts.append(name)
         workers = sorted(host.workers)
@@ -365,9 +392,7 @@ class FarmParent(Parent):
         handle = host.handle
         if handle is not None:
             threading.Thread(target=handle.terminate, args=(1.0,), daemon=True).start()
-        if all(not h.alive for h in self.farm.values()) and not any(
-            h.losses == 0 for h in self.farm.values()
-        ):
+        if not any(h.alive for h in self.farm.values()):
             say("evflow: every host is lost; waiting for one to come back")
 
     # --- the summary --------------------------------------------------------------------

@@ -215,3 +215,26 @@ def test_three_hosts_with_slurm(slurm, farm, tmp_path) -> None:
     assert code == 0, err
     assert read_events(tmp_path / "farm.evr") == expected
     assert netns_of(tmp_path / "farm.evr") <= {farm.hosts[h].netns_inode() for h in farm.hosts}
+
+
+def test_curve_keys_encrypt_and_refuse_an_unknown_host(farm, tmp_path) -> None:
+    """EVFLOW_CURVE_KEYS: every tcp socket of the run is CURVE. With h3's public key
+    gone from the directory (the allow-list), h3 is refused and the run completes on
+    h1 and h2 alone, with the same events."""
+    from evflow.transport.curve import create_keys
+
+    create_keys(tmp_path / "keys", ["controller", "h1", "h2", "h3"])
+    run = Run(farm, tmp_path)
+    expected = run.sequential("toy", 600, "seq.evr")
+    run.env["EVFLOW_CURVE_KEYS"] = str(tmp_path / "keys")
+    code, _, err = finish(run.remote("toy", 600, 0.5, "farm.evr"))
+    assert code == 0, err
+    assert read_events(tmp_path / "farm.evr") == expected
+    (tmp_path / "keys" / "h3.key").unlink()
+    for marker in tmp_path.glob("ran-*"):
+        marker.unlink()
+    code, _, err = finish(run.remote("toy", 600, 0.5, "refused.evr"))
+    assert code == 0, err
+    assert read_events(tmp_path / "refused.evr") == expected
+    assert "CURVE refused peer" in err
+    assert farm.hosts["h3"].netns_inode() not in netns_of(tmp_path / "refused.evr")

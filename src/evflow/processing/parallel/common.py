@@ -47,7 +47,8 @@ def channel(ctx: zmq.Context[Any], session: str, name: str, kind: str, method: s
         linger=0,
         rateLogging=0,
     )
-    ch = open_channel(ctx, tcpwire.adjust(config), session)  # hosts runs: + tcp (tcpwire.py)
+    # hosts runs: tcp as well (tcpwire.py)
+    ch = open_channel(ctx, tcpwire.adjust(config, session), session)
     if method == "bind":
         tcpwire.publish(session, name, ch.endpoints)
     return ch

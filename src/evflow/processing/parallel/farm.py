@@ -149,11 +149,38 @@ class FarmParent(Parent):
         self.address = route_source(first)
         tcpwire.BIND_ADDRESS = self.address  # before the zygote forks the roles
         tcpwire.CURVE = self.curve["controller"] if self.curve else None
+        restore = self._curve_env() if self.curve else dict
         try:
             return super().run()
         finally:
             tcpwire.BIND_ADDRESS = None
             tcpwire.CURVE = None
+            restore()
+
+    def _curve_env(self) -> Any:
+        """Farm keys for the run's tcp bus too: a hosts file that names this machine
+        (``controller``) beside the hosts, for every process of the run (farmkeys.py)."""
+        from evflow.transport.paths import runtime_base_dir
+
+        me = self.curve.me  # type: ignore[union-attr]
+        lines = ["[hosts]", f'{me} = {{ address = "{self.address}" }}']
+        lines += [f'{n} = {{ address = "{h.spec.address}" }}' for n, h in self.farm.items()]
+        base = runtime_base_dir()
+        base.mkdir(parents=True, exist_ok=True)
+        self.curve_hosts = base / f".{self.session}.hosts.toml"
+        self.curve_hosts.write_text("\n".join(lines) + "\n")
+        saved = {k: os.environ.get(k) for k in ("EVFLOW_HOST", "EVFLOW_HOSTS_FILE")}
+        os.environ.update(EVFLOW_HOST=me, EVFLOW_HOSTS_FILE=str(self.curve_hosts))
+
+        def restore() -> None:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+            self.curve_hosts.unlink(missing_ok=True)
+
+        return restore
 
     def _remote_start(self, ctx: zmq.Context[Any]) -> None:
         from evflow.runtime.bus import BusProxy
@@ -187,6 +214,10 @@ class FarmParent(Parent):
                 "--steering-argv", json.dumps(sys.argv[1:]), "--cwd", os.getcwd(),
                 "--controller-lost-s", "4"]  # fmt: skip
         env = {k: os.environ[k] for k in ("EVFLOW_RUNTIME_DIR", "PYTHONPATH") if k in os.environ}
+        if self.curve:  # the agent's bus client: a CURVE client with its host's key
+            env["EVFLOW_CURVE_KEYS"] = os.environ["EVFLOW_CURVE_KEYS"]
+            env["EVFLOW_HOST"] = host.spec.name
+            env["EVFLOW_HOSTS_FILE"] = str(self.curve_hosts)
         host.spawned, host.alive, host.last_beat_s = False, False, None
 
         def start() -> None:

@@ -24,6 +24,7 @@ import dataclasses
 import os
 from typing import Any
 
+from evflow.errors import ConfigurationError
 from evflow.transport.channel_config import ChannelConfig
 
 #: the channels remote workers use
@@ -38,30 +39,43 @@ CAPTURE = False
 CURVE: dict[str, str] | None = None
 
 
-def adjust(config: ChannelConfig) -> ChannelConfig:
+def adjust(config: ChannelConfig, session: str) -> ChannelConfig:
     """The run channel ``config`` as a path run across hosts needs it (else unchanged)."""
     if config.name not in TCP_NAMES:
         return config
     changes: dict[str, Any] = {}
     if config.method == "bind" and BIND_ADDRESS:
-        changes["address"] = f"{config.address};tcp://{BIND_ADDRESS}:0"
+        tcp = f"tcp://{BIND_ADDRESS}:0"
+        # with CURVE the socket is tcp only: a CURVE socket's ipc peers would need keys
+        # too, and the refusal monitor reads tcp peers only
+        changes["address"] = tcp if CURVE is not None else f"{config.address};{tcp}"
     elif config.method == "connect" and config.name in CONNECT:
         changes["address"] = CONNECT[config.name]
-    if CURVE is not None and (changes or BIND_ADDRESS):
-        # a CURVE server socket takes CURVE clients only, its local ipc peers included
-        if config.method == "bind":
-            changes.update(
-                curve="server", curveSecretKey=CURVE["secret"], curveAllow=CURVE["allow"]
-            )
-        else:
-            changes.update(
-                curve="client", curveSecretKey=CURVE["secret"], curveServerKey=CURVE["server_key"]
-            )
-    elif changes:
-        changes["curve"] = "none"  # plain tcp: the run's own keys decide, not the farm's
+    elif config.method == "connect" and BIND_ADDRESS and CURVE is not None:
+        # a local role (input, output) reaches the caller's ctl over tcp as well
+        changes["address"] = _published(session, config.name)
     if not changes:
         return config
+    if CURVE is None:
+        changes["curve"] = "none"  # plain tcp: the run's own keys decide, not the farm's
+    elif config.method == "bind":
+        changes.update(curve="server", curveSecretKey=CURVE["secret"], curveAllow=CURVE["allow"])
+    else:
+        changes.update(
+            curve="client", curveSecretKey=CURVE["secret"], curveServerKey=CURVE["server_key"]
+        )
     return dataclasses.replace(config, **changes)
+
+
+def _published(session: str, name: str) -> str:
+    from evflow.transport.paths import session_dir
+
+    try:
+        return (session_dir(session) / f"{name}.tcp").read_text().strip()
+    except OSError:
+        raise ConfigurationError(
+            f"run channel {name!r}: its tcp endpoint is not published"
+        ) from None
 
 
 def publish(session: str, name: str, endpoints: list[str]) -> None:

@@ -34,7 +34,7 @@ from evflow.errors import ConfigurationError, PeerLostError
 from evflow.processing.options import ProcessOptions
 from evflow.processing.parallel import scoreboard, tcpwire
 from evflow.processing.parallel.engine import Parent
-from evflow.processing.parallel.notices import say
+from evflow.processing.parallel.notices import say, stopping_line
 from evflow.processing.parallel.split import SplitPath
 from evflow.wire.messages import MsgType, encode_message
 
@@ -372,6 +372,11 @@ class FarmParent(Parent):
                 "curve": self.curve.get(host.spec.name) if self.curve else None}  # fmt: skip
         self._command("spawn-workers", f"agent.{host.agent}", args)
 
+    def _say_stopping(self) -> None:
+        """The first interrupt: the workers in flight are on the hosts (no local board)."""
+        live = sum(len(h.workers) for h in self.farm.values())
+        say(stopping_line(self.signals[0], self.stop_grace_s, live))
+
     def _spawn_worker(self, index: int) -> None:
         """Workers are forked by their hosts' agents (``_tend_host``), not here."""
 
@@ -413,6 +418,7 @@ class FarmParent(Parent):
         self.lost_hosts.append(name)
         workers = sorted(host.workers)
         self.lost_workers_of.setdefault(name, []).extend(workers)
+        self.lost.extend(workers)  # "workers lost" counts them too
         say(f"evflow: host {name!r} lost ({why}): its {len(workers)} worker(s)' events "
             "go to the other hosts")  # fmt: skip
         for worker in workers:

@@ -238,3 +238,58 @@ def test_curve_keys_encrypt_and_refuse_an_unknown_host(farm, tmp_path) -> None:
     assert read_events(tmp_path / "refused.evr") == expected
     assert "CURVE refused peer" in err
     assert farm.hosts["h3"].netns_inode() not in netns_of(tmp_path / "refused.evr")
+
+
+CHAOS = """
+import sys
+import evflow
+from evflow.io.generators import ToyGenerator
+from evflow.io.records import RecordOutput
+from evflow.processing.faults import FaultInjector
+
+out = sys.argv[1]
+evflow.process(
+    evflow.Path([
+        ToyGenerator(n_events=20_000, payload_bytes=256, seed=3),
+        FaultInjector(name="hangs", mode="hang", probability=0.0005, seed=11),
+        FaultInjector(name="poison", mode="segfault", uids=[1234, 9999, 19998], poison=True),
+        RecordOutput(file=out, fsync=False),
+    ]),
+    event_timeout_s=0.5, max_attempts=3, extra={"max_restarts": 10_000},
+)
+"""
+
+
+@pytest.mark.chaos
+def test_chaos_20000_events_over_three_hosts_every_uid_exactly_once(farm, tmp_path) -> None:
+    """Hung events (killed by the timeout through their agent), poison events that
+    crash their worker on every attempt, and one host SIGKILLed: every uid exactly
+    once, the poison ones quarantined."""
+    run = Run(farm, tmp_path)
+    (tmp_path / "chaos.py").write_text(CHAOS)
+    out = tmp_path / "chaos.evr"
+    argv = [sys.executable, "-m", "evflow", "run", str(tmp_path / "chaos.py"), "-p", "1",
+            "--hosts", str(run.hosts), "--allow-quarantine", "--", str(out)]  # fmt: skip
+    proc = subprocess.Popen(argv, env=run.env, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not (out.exists() and out.stat().st_size > 1_000_000):  # about a fifth written
+        assert time.monotonic() < deadline and proc.poll() is None, "the run made no progress"
+        time.sleep(0.05)
+    farm.kill_host("h3")
+    code, stdout, err = finish(proc, 100.0)
+    assert code == 0, err
+    flags: dict[int, list[int]] = {}
+    with RecordReader(str(out)) as reader:
+        for record in reader:
+            meta = decode_record(str(out), record).meta
+            flags.setdefault(meta.uid, []).append(meta.flags)
+    assert sorted(flags) == list(range(20_000))
+    assert all(len(f) == 1 for f in flags.values()), "a uid written twice"
+    from evflow.processing.datastore import FLAG_QUARANTINED
+
+    quarantined = {u for u, f in flags.items() if f[0] & FLAG_QUARANTINED}
+    assert quarantined == {1234, 9999, 19998}
+    assert "3 quarantined" in stdout
+    assert counter(stdout, "timeouts") >= 1  # hung events were killed through their agents
+    assert counter(stdout, "hosts lost") == 1

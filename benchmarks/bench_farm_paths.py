@@ -59,6 +59,56 @@ def run(tmp: Path, env: dict[str, str], n: int, size: int, extra: list[str]) -> 
     return {"rate": n / max(wall - first, 1e-9), "startup_s": first, "wall_s": wall}
 
 
+SPEEDUP = """
+import sys
+import evflow
+from evflow.io import BusyWork, RecordOutput, ToyGenerator
+
+n, out = int(sys.argv[1]), sys.argv[2]
+evflow.process(evflow.Path([ToyGenerator(n_events=n), BusyWork(work_ms=10.0),
+                            RecordOutput(file=out)]))
+"""
+
+
+def hosts_toml(farm: NamespaceFarm, names: list[str]) -> str:
+    lines = ["[hosts]"]
+    for h in names:
+        address = farm.hosts[h].address
+        lines.append(f'{h} = {{ address = "{address}", ssh = "root@{address}" }}')
+    return "\n".join(lines) + "\n"
+
+
+def speedup(farm: NamespaceFarm, tmp: Path, env: dict[str, str], n: int, repeat: int) -> None:
+    """10 ms/event on 1, 2, 3 hosts of one worker each vs the sequential run."""
+    (tmp / "speed.py").write_text(SPEEDUP)
+    names = sorted(farm.hosts)
+
+    def once(extra: list[str]) -> float:
+        argv = [sys.executable, "-m", "evflow", "run", str(tmp / "speed.py"), *extra, "--",
+                str(n), str(tmp / "s.evr")]  # fmt: skip
+        proc = subprocess.run(argv, env=env, cwd=tmp, capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            raise SystemExit(f"run failed: {proc.stderr[-2000:]}")
+        for f in tmp.glob("s.evr*"):
+            f.unlink()
+        wall = float(re.search(r"dropped events in ([\d.]+) s", proc.stdout).group(1))
+        first = re.search(r"start-up to first event \(s\): ([\d.]+)", proc.stdout)
+        return wall - (float(first.group(1)) if first else 0.0)
+
+    best: dict[str, float] = {}
+    for _ in range(repeat):
+        best["sequential"] = min(best.get("sequential", 1e9), once(["-p", "0"]))
+        for k in range(1, len(names) + 1):
+            hosts = tmp / f"hosts{k}.toml"
+            hosts.write_text(hosts_toml(farm, names[:k]))
+            key = f"{k} host(s) x 1 worker"
+            best[key] = min(best.get(key, 1e9), once(["-p", "1", "--hosts", str(hosts)]))
+    print(f"| 10 ms/event, {n} events | time after the first event (s) | speedup |")
+    print("|---|---|---|")
+    for key, t in best.items():
+        print(f"| {key} | {t:.2f} | {best['sequential'] / t:.2f}x |")
+
+
 def death_to_lost(farm: NamespaceFarm, tmp: Path, env: dict[str, str], fault: str) -> float:
     """Seconds from the fault on h2 to the controller's 'host lost' line."""
     argv = [sys.executable, "-m", "evflow", "run", str(tmp / "steer.py"), "-q", "-p", "1",
@@ -90,14 +140,15 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--events-1k", type=int, default=100_000)
     parser.add_argument("--events-1m", type=int, default=1_000)
+    parser.add_argument("--only-speedup", action="store_true")
     args = parser.parse_args()
     reason = missing_for_farm()
     if reason:
         raise SystemExit(f"needs namespace hosts: {reason}")
-    with NamespaceFarm(2) as farm, tempfile.TemporaryDirectory() as tmpdir:
+    with NamespaceFarm(3) as farm, tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
         (tmp / "steer.py").write_text(STEERING)
-        farm.write_hosts_file(tmp / "hosts.toml")
+        (tmp / "hosts.toml").write_text(hosts_toml(farm, ["h1", "h2"]))
         create_keys(tmp / "keys", ["controller", "h1", "h2"])
         base = {**os.environ, **farm.ssh_env(), "PYTHONPATH": SRC}
         modes = {
@@ -109,6 +160,9 @@ def main() -> None:
             ),
         }
         print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, best of {args.repeat}")
+        if args.only_speedup:
+            speedup(farm, tmp, base, 300, args.repeat)
+            return
         print("| event size | mode | events/s | start-up to first event (s) |")
         print("|---|---|---|---|")
         for size, n in ((1024, args.events_1k), (1024**2, args.events_1m)):
@@ -125,6 +179,7 @@ def main() -> None:
         for fault in ("kill", "cut"):
             times = [death_to_lost(farm, tmp, base, fault) for _ in range(args.repeat)]
             print(f"host h2 {fault}: lost after {', '.join(f'{t:.2f}' for t in times)} s")
+        speedup(farm, tmp, base, 300, args.repeat)
 
 
 if __name__ == "__main__":

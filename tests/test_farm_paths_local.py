@@ -8,6 +8,7 @@ import argparse
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -90,3 +91,53 @@ def test_worker_killed_on_a_host_is_replaced_by_its_agent(tmp_path: Path) -> Non
     assert "workers lost: 1" in proc.stdout
     assert "workers restarted: 1" in proc.stdout
     assert "hosts: 2" in proc.stdout
+
+
+REJOIN = """
+import sys
+import evflow
+from evflow.io import BusyWork, RecordOutput, ToyGenerator
+
+n, out = int(sys.argv[1]), sys.argv[2]
+evflow.process(evflow.Path([ToyGenerator(n_events=n, seed=4), BusyWork(work_ms=1.0),
+                            RecordOutput(file=out)]), workers=1, extra={"rejoin_s": 0.2})
+"""
+
+
+def test_host_whose_agent_is_killed_is_lost_and_rejoins(tmp_path: Path) -> None:
+    import psutil
+
+    (tmp_path / "steer.py").write_text(REJOIN)
+    (tmp_path / "hosts.toml").write_text(
+        '[hosts]\nh1 = { address = "127.0.0.1" }\nh2 = { address = "127.0.0.1" }\n'
+    )
+    out = tmp_path / "out.evr"
+    hosts = str(tmp_path / "hosts.toml")
+    argv = [sys.executable, "-m", "evflow", "run", str(tmp_path / "steer.py"), "--hosts",
+            hosts, "--launcher", "local", "--", "6000", str(out)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": SRC}
+    proc = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        agent = None
+        deadline = time.monotonic() + 30
+        while agent is None or not out.exists():
+            assert time.monotonic() < deadline, "no agent for h2 / no output"
+            for child in psutil.Process(proc.pid).children():
+                if "--host" in child.cmdline() and "h2" in child.cmdline():
+                    agent = child
+            time.sleep(0.05)
+        time.sleep(0.5)
+        agent.kill()  # the host's zygote and workers die with it (PDEATHSIG)
+        stdout, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert "host 'h2' lost (its agent ended)" in err
+    assert "host 'h2' is back" in err
+    with RecordReader(str(out)) as reader:
+        uids = [decode_record(str(out), r).meta.uid for r in reader]
+    assert sorted(uids) == list(range(6000))
+    assert "hosts lost: 1" in stdout

@@ -141,3 +141,19 @@ def test_host_whose_agent_is_killed_is_lost_and_rejoins(tmp_path: Path) -> None:
         uids = [decode_record(str(out), r).meta.uid for r in reader]
     assert sorted(uids) == list(range(6000))
     assert "hosts lost: 1" in stdout
+
+
+def test_unreachable_hosts_are_one_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "steer.py").write_text(REJOIN)
+    (tmp_path / "hosts.toml").write_text(
+        '[hosts]\nh1 = { address = "127.0.0.1", ssh = "ssh://root@127.0.0.1:1" }\n'
+    )
+    argv = [sys.executable, "-m", "evflow", "run", str(tmp_path / "steer.py"), "--hosts",
+            str(tmp_path / "hosts.toml"), "--", "10", str(tmp_path / "out.evr")]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": SRC}
+    proc = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("evflow: error: host 'h1': ssh ssh://root@127.0.0.1:1 failed")
+    assert "Connection refused" in lines[0]

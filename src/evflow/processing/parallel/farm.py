@@ -220,11 +220,14 @@ class FarmParent(Parent):
             env["EVFLOW_HOSTS_FILE"] = str(self.curve_hosts)
         host.spawned, host.alive, host.last_beat_s = False, False, None
 
+        name = host.spec.name
+
         def start() -> None:
             try:
                 host.handle = self.launcher.start_agent(host.spec, args, env)
             except Exception as exc:  # one line, told when the host counts as lost
-                host.start_error = str(exc)
+                text = str(exc)
+                host.start_error = text if text.startswith("host ") else f"host {name!r}: {text}"
 
         host.start_error = ""
         if self.launcher_name == "local":  # PDEATHSIG follows the forking thread: not a thread
@@ -352,11 +355,11 @@ class FarmParent(Parent):
         again every rejoin_s); when no host was ever reached, one error names each."""
         failed = {n: h.start_error for n, h in self.farm.items() if h.start_error}
         if not any(h.ever_up for h in self.farm.values()) and len(failed) == len(self.farm):
-            self._fail(PeerLostError("; ".join(f"host {n!r}: {e}" for n, e in failed.items())))
+            self._fail(PeerLostError("; ".join(failed.values())))  # each names its host
             return
         if host.start_error != host.told:
             say(
-                f"evflow: host {name!r} cannot be started ({host.start_error}); the run "
+                f"evflow: {host.start_error}; the run "
                 f"goes on with the other hosts and tries it again every {self.rejoin_s:g} s"
             )
             host.told = host.start_error

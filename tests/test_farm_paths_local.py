@@ -157,3 +157,31 @@ def test_unreachable_hosts_are_one_clear_error(tmp_path: Path) -> None:
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("evflow: error: host 'h1': ssh ssh://root@127.0.0.1:1 failed")
     assert "Connection refused" in lines[0]
+
+
+PLAIN = """
+import sys
+import evflow
+from evflow.io import BusyWork, RecordOutput, ToyGenerator
+
+if __name__ == "__main__":
+    path = evflow.Path([ToyGenerator(n_events=500), BusyWork(work_ms=0.1),
+                        RecordOutput(file=sys.argv[1])])
+    hosts = {"a": {"address": "127.0.0.1"}, "b": {"address": "127.0.0.1", "workers": 1}}
+    s = evflow.process(path, workers=2, quiet=True, launcher="local", hosts=hosts)
+    print(s.events_written, s.workers, s.counters["hosts"])
+"""
+
+
+def test_process_with_hosts_from_a_plain_script(tmp_path: Path) -> None:
+    """``evflow.process(path, hosts={...})`` in a script run by ``python``: the agents
+    import the script itself (its ``__main__`` guard runs the path there too)."""
+    (tmp_path / "plain.py").write_text(PLAIN)
+    out = tmp_path / "p.evr"
+    env = {**os.environ, "PYTHONPATH": SRC}
+    proc = subprocess.run([sys.executable, str(tmp_path / "plain.py"), str(out)], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["500", "3", "2"]  # 2 workers on a, 1 on b (its own count)
+    with RecordReader(str(out)) as reader:
+        assert sorted(decode_record(str(out), r).meta.uid for r in reader) == list(range(500))

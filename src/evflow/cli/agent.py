@@ -36,6 +36,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="S",
         help="stop every device after S seconds without the controller's heartbeat",
     )
+    parser.add_argument(
+        "--steering",
+        default=None,
+        metavar="FILE",
+        help="a path run's steering file: load it and fork its workers on request",
+    )
+    parser.add_argument("--steering-argv", default=None, metavar="JSON", help=argparse.SUPPRESS)
+    parser.add_argument("--cwd", default=None, metavar="DIR", help=argparse.SUPPRESS)
     parser.add_argument("--severity", default="info", choices=("debug", "info", "warn", "error"))
     parser.set_defaults(func=_handle)
 
@@ -53,4 +61,10 @@ def _handle(args: argparse.Namespace) -> int:
         format=f"[%(asctime)s][%(levelname)s][{args.host}] %(message)s",
     )
     lost_s = args.controller_lost_s if args.controller_lost_s is not None else CONTROLLER_LOST_S
-    return run_agent(args.bus, args.session, args.host, args.preload, lost_s)
+    steering = None
+    if args.steering:
+        from evflow.topology.pathworkers import parse_argv
+
+        steering = {"file": args.steering, "argv": parse_argv(args.steering_argv),
+                    "cwd": args.cwd}  # fmt: skip
+    return run_agent(args.bus, args.session, args.host, args.preload, lost_s, steering)

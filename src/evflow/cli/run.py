@@ -76,10 +76,24 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "-p",
         "--workers",
-        type=non_negative_int,
+        type=workers_arg,
         default=None,
         metavar="N",
-        help="run the parallel modules on N worker processes (0: in this process)",
+        help="run the parallel modules on N worker processes (0: in this process); with "
+        "--hosts: N per host, or per host by name (h1=2,h2=1)",
+    )
+    parser.add_argument(
+        "--hosts",
+        default=None,
+        metavar="HOSTS.toml",
+        help="parallel runs: fork the workers on these hosts (input and output stay here; "
+        "the hosts share this filesystem); see docs/farm_paths.md",
+    )
+    parser.add_argument(
+        "--launcher",
+        choices=("ssh", "slurm", "local"),
+        default=None,
+        help="with --hosts: how the host agents are started (default ssh)",
     )
     parser.add_argument(
         "-q",
@@ -142,6 +156,19 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def workers_arg(text: str) -> int | dict[str, int]:
+    """``-p 4`` or ``-p h1=2,h2=1`` (workers per host of --hosts)."""
+    if "=" not in text:
+        return non_negative_int(text)
+    counts: dict[str, int] = {}
+    for part in text.split(","):
+        name, _, value = part.partition("=")
+        if not name.strip():
+            raise argparse.ArgumentTypeError(f"expected HOST=N in {text!r}, got {part!r}")
+        counts[name.strip()] = non_negative_int(value.strip())
+    return counts
+
+
 def non_negative_float(text: str) -> float:
     try:
         value = float(text)
@@ -159,8 +186,15 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
         overrides["max_events"] = args.max_events
     if args.output is not None:
         overrides["output"] = args.output
-    if args.workers is not None:
+    if isinstance(args.workers, dict):  # -p h1=2,h2=1 (with --hosts)
+        overrides["host_workers"] = args.workers
+        overrides["workers"] = sum(args.workers.values())
+    elif args.workers is not None:
         overrides["workers"] = args.workers
+    if getattr(args, "hosts", None):
+        overrides["hosts"] = args.hosts
+    if getattr(args, "launcher", None):
+        overrides["launcher"] = args.launcher
     if args.quiet:
         overrides["quiet"] = True
     if getattr(args, "ordered", False):

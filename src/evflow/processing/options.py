@@ -56,6 +56,13 @@ class ProcessOptions:
     """Parallel: how large events reach the workers and the output: ``"zmq"`` (through
     the sockets) or ``"shm"`` (copied once into shared memory, their place sent over the
     sockets; arrays are then valid only during ``event()``: copy what a module keeps)."""
+    hosts: Any = None
+    """Parallel: run the workers on other hosts: a hosts file (``HOSTS.toml``) or a dict
+    name -> {address, ssh, slurm, python, workers} (docs/farm_paths.md). None: this host."""
+    launcher: str = "ssh"
+    """Parallel with ``hosts``: how agents are started there: ``ssh``, ``slurm`` or ``local``."""
+    host_workers: dict[str, int] | None = None
+    """Parallel with ``hosts``: workers per host by name (else ``workers`` on each host)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Settings for later parts (e.g. codec, batch sizes) that have no field yet."""
 
@@ -68,6 +75,8 @@ class ProcessOptions:
             raise ConfigurationError(
                 f"option transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}"
             )
+        if self.host_workers and not self.hosts:
+            raise ConfigurationError("workers per host (-p HOST=N) need hosts (--hosts FILE)")
         if self.output is not None and not isinstance(self.output, str):
             # accept pathlib paths: convert instead of refusing
             object.__setattr__(self, "output", str(self.output))

@@ -90,6 +90,7 @@ class Agent:
         heartbeat_s: float = HEARTBEAT_S,
         controller_lost_s: float = CONTROLLER_LOST_S,
         grace_s: float = 3.0,
+        steering: dict[str, Any] | None = None,
     ) -> None:
         self.bus = bus
         self.session = session
@@ -107,6 +108,7 @@ class Agent:
         self._last_controller = time.monotonic()
         self._next_beat = 0.0
         self.client: BusClient | None = None
+        self.steering = steering  # a path run's workers: pathworkers.py
 
     # --- commands ------------------------------------------------------------------
     def _spawn(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -205,6 +207,10 @@ class Agent:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         self.preflight = preflight(self.session)
+        if self.steering:  # the user's modules, in the zygote before it forks workers
+            from evflow.topology.pathworkers import load_split
+
+            load_split(**self.steering)
         # what is loaded now stays out of the collector's way: forked devices then share
         # these pages instead of copying them when the collector walks them
         gc.collect()
@@ -218,6 +224,12 @@ class Agent:
             self.client.handle("spawn", self._spawn)
             self.client.handle("shutdown", self._shutdown)
             self.client.handle("heartbeat", self._heartbeat)
+            if self.steering:
+                from evflow.topology.pathworkers import PathWorkers
+
+                workers = PathWorkers(self)
+                self.client.handle("spawn-workers", workers.spawn)
+                self.client.handle("kill-worker", workers.kill)
             self._loop()
         finally:
             self.sup.shutdown(fast=self._signals > 1)
@@ -256,6 +268,7 @@ def run_agent(
     host: str,
     preload: list[str] | tuple[str, ...] = (),
     controller_lost_s: float = CONTROLLER_LOST_S,
+    steering: dict[str, Any] | None = None,
 ) -> int:
     """``evflow agent``: import the device modules, then run the agent until told to stop."""
     for name in (*PRELOAD, *preload):
@@ -265,4 +278,5 @@ def run_agent(
             raise ConfigurationError(
                 f"agent {host!r}: cannot import {name!r} ({exc}); is it on PYTHONPATH there?"
             ) from None
-    return Agent(bus, session, host, controller_lost_s=controller_lost_s).run()
+    agent = Agent(bus, session, host, controller_lost_s=controller_lost_s, steering=steering)
+    return agent.run()

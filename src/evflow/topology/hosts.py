@@ -25,7 +25,7 @@ from typing import Any
 from evflow.errors import ConfigurationError
 
 LOCALHOST = "localhost"
-_KNOWN_KEYS = {"address", "ssh", "python", "slurm"}
+_KNOWN_KEYS = {"address", "ssh", "python", "slurm", "workers"}  # workers: path runs
 
 
 @dataclass(frozen=True)

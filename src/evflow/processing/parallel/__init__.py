@@ -36,6 +36,14 @@ def run_parallel(path: Path, options: ProcessOptions | None = None) -> RunSummar
         from evflow.processing.sequential import run_sequential
 
         return run_sequential(path, options)
+    from evflow.processing.parallel import tcpwire
+
+    if tcpwire.CAPTURE:  # a host agent loads the steering file for its workers (farm.py)
+        raise tcpwire.SplitCaptured(split)
+    if options.hosts:
+        from evflow.processing.parallel.farm import FarmParent
+
+        return FarmParent(split, options).run()
     from evflow.processing.parallel.engine import Parent
 
     return Parent(split, options).run()

@@ -22,6 +22,7 @@ import zmq
 
 from evflow.errors import EvflowError, ModuleError
 from evflow.processing.datastore import RunMeta
+from evflow.processing.parallel import tcpwire
 from evflow.processing.parallel.rolebus import RoleBus
 from evflow.processing.parallel.split import SplitPath
 from evflow.runtime.states import State
@@ -59,7 +60,11 @@ def channel(
         linger=0,
         rateLogging=0,
     )
-    return open_channel(ctx, config, session, configure=configure)
+    # hosts runs: tcp as well (tcpwire.py)
+    ch = open_channel(ctx, tcpwire.adjust(config, session), session, configure=configure)
+    if method == "bind":
+        tcpwire.publish(session, name, ch.endpoints)
+    return ch
 
 
 #: who may connect to each socket a role binds (ZAP, transport/security.py)

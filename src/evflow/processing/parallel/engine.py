@@ -197,6 +197,7 @@ class Parent:
             self.bus.publish_state(new="RUNNING")
             # --dashboard / --report (monitor/runhook.py): a no-op unless asked for
             self.monitor = runhook.on_bus(proxy.endpoints, self._monitor_info)
+            self._remote_start(ctx)  # hosts runs: agents on other hosts (farm.py)
             # the first event needs the input and a worker; the output only its result
             self.pids[zygote.spawn(input_main, self.session, self.role_options, name="input")] = (
                 "input"
@@ -209,6 +210,7 @@ class Parent:
             self._loop()
             wall_s = time.monotonic() - start
         finally:
+            self._remote_stop()
             zygote.stop(grace_s=0.5)
             ok = self.error is None and not self.signals
             runhook.on_end(self.monitor, ok=ok, cut=self._linger_cut)
@@ -324,11 +326,25 @@ class Parent:
         self.pids[pid] = name
         self.backoff.spawned(index, time.monotonic(), stale)
 
+    # hooks of a run whose workers are on other hosts (farm.py); nothing here
+    def _remote_start(self, ctx: zmq.Context[Any]) -> None:
+        pass
+
+    def _remote_poll(self, poller: zmq.Poller) -> None:
+        pass
+
+    def _remote_tick(self) -> None:
+        pass
+
+    def _remote_stop(self) -> None:
+        pass
+
     # --- the watch loop -----------------------------------------------------------------
     def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self.ctl, zmq.POLLIN)
         poller.register(self.zygote.fileno(), zmq.POLLIN)
+        self._remote_poll(poller)
         while self.pids:
             due_s = self.backoff.next_due_in_s(time.monotonic())
             poller.poll(100 if due_s is None else min(100, int(due_s * 1000) + 1))
@@ -337,6 +353,7 @@ class Parent:
                 self._exited(pid, code)
             self._handle_signals()
             self._tend_backoff()
+            self._remote_tick()
             if self.bus is not None:
                 self.bus.tick()  # metrics once a second, answers check-state / get-run
             now = time.monotonic()

@@ -176,6 +176,7 @@ class _Input:
         self.timeouts_asked: set[Any] = set()
         # replacements on their way, recycled workers whose results are due (roster.py)
         self.roster = Roster()
+        self.requeued_lost: dict[str, int] = {}  # lost worker -> events it held, re-sent
         self.next_check_s = 0.0
         timeout_s = self.ledger.event_timeout_s or 0.0
         self.check_ms = int(min(IDLE_WAIT_MS, max(TIMEOUT_CHECK_MS, timeout_s * 10)))
@@ -277,6 +278,7 @@ class _Input:
             "cpu_s": time.process_time(),
             "ledger": _ledger_counts(self.ledger),
             "failures": self.failure_log.as_list(),
+            "requeued": self.requeued_lost,
         }
         if self.abort:
             result["aborted"] = True
@@ -463,7 +465,8 @@ class _Input:
             replacement = header.get("replacement")
             if replacement is not None:
                 replacement = field_str(header, "replacement", 32)
-            self.requeue(name, failure, culprit)
+            n = self.requeue(name, failure, culprit)
+            self.requeued_lost[name] = n  # the summary's "events re-sent"
             # a replacement forked at once: the run does not end before it said HELLO
             self.roster.lost(name, replacement or None)
 

@@ -1,0 +1,90 @@
+"""What a path run across hosts is given: hosts, workers per host, CURVE keys.
+
+``plan_hosts`` reads ``options.hosts`` (a hosts file or a dict) and the counts
+(``workers``, a host's own ``workers``, ``host_workers`` / ``-p h1=2,h2=1``);
+``curve_keys`` reads ``EVFLOW_CURVE_KEYS``: the caller's key pair is ``controller`` (or
+``$EVFLOW_HOST``), each host's is its name.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from evflow.errors import ConfigurationError
+from evflow.processing.options import ProcessOptions
+
+
+def plan_hosts(options: ProcessOptions) -> tuple[dict[str, Any], dict[str, int]]:
+    """(hosts by name, workers per host) from ``options.hosts`` and the counts."""
+    from evflow.topology.hosts import load_hosts, parse_hosts
+
+    source = options.hosts
+    if isinstance(source, dict):
+        table, name = source, "hosts="
+    else:
+        import tomllib
+
+        try:
+            table = tomllib.loads(Path(str(source)).read_text()).get("hosts")
+        except (OSError, tomllib.TOMLDecodeError):
+            table = None
+        name = str(source)
+        if table is None:
+            load_hosts(str(source))  # its one clear error
+    hosts = parse_hosts(table, source=name)
+    if not hosts:
+        raise ConfigurationError(f"{name}: no hosts")
+    counts: dict[str, int] = {}
+    per_host = options.host_workers or {}
+    unknown = sorted(set(per_host) - set(hosts))
+    if unknown:
+        raise ConfigurationError(
+            f"-p names unknown host(s) {', '.join(unknown)} (hosts of {name}: "
+            f"{', '.join(sorted(hosts))})"
+        )
+    for h in hosts:
+        entry = table.get(h, {}) if isinstance(table, dict) else {}
+        default = 0 if per_host else entry.get("workers", options.workers or 1)
+        n = per_host.get(h, default)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ConfigurationError(f"{name}: host {h!r}: workers must be a whole number >= 0")
+        if n:
+            counts[h] = n
+    if not counts:
+        raise ConfigurationError(f"{name}: no host has a worker")
+    return hosts, counts
+
+
+def curve_keys() -> dict[str, dict[str, str]] | None:
+    """CURVE options per process kind from ``EVFLOW_CURVE_KEYS`` (None: plain tcp).
+
+    The caller's key pair is ``controller`` (or ``EVFLOW_HOST``), each host's its name."""
+    keys_dir = os.environ.get("EVFLOW_CURVE_KEYS")
+    if not keys_dir:
+        return None
+    from evflow.transport.curve import KeyRing
+
+    ring = KeyRing(keys_dir)
+    me = os.environ.get("EVFLOW_HOST") or "controller"
+    server = ring.server_options(me)
+    out = {"controller": {"secret": server["curveSecretKey"], "allow": server["curveAllow"],
+                          "server_key": ring.client_options(me, me)["curveServerKey"]}}  # fmt: skip
+    return _HostCurve(ring, me, out)
+
+
+class _HostCurve(dict):  # type: ignore[type-arg]
+    """``controller`` -> the caller's options; any host name -> that host's (lazily)."""
+
+    def __init__(self, ring: Any, me: str, base: dict[str, Any]) -> None:
+        super().__init__(base)
+        self.ring, self.me = ring, me
+
+    def get(self, host: str, default: Any = None) -> Any:
+        if host in self:
+            return self[host]
+        opts = self.ring.client_options(host, self.me)
+        self[host] = {"secret": opts["curveSecretKey"], "server_key": opts["curveServerKey"],
+                      "allow": ""}  # fmt: skip
+        return self[host]

@@ -420,13 +420,18 @@ class Parent:
         if msg.type == MsgType.HELLO:
             pid = field_int(msg.header, "pid", 1, 2**31)
             sender = peer_pid(ident_frame)
-            if self.pids.get(pid) != name or (sender is not None and sender != pid):
+            if not self._is_role(name, pid) or (sender is not None and sender != pid):
                 raise refuse("unknown-peer", f"HELLO of {name!r} pid {pid}: not a role of the run")
             self.ids[name] = ident
             return name
         if self.ids.get(name) != ident:
             raise refuse("unknown-peer", f"{msg.type.name} of {name!r} from another connection")
         return name
+
+    def _is_role(self, name: str, pid: int) -> bool:
+        """``name`` with ``pid`` is a role this run forked (a hosts run adds its remote
+        workers, whose pids live on other hosts)."""
+        return self.pids.get(pid) == name
 
     def _send(self, role: str, kind: MsgType, header: dict[str, Any] | None = None) -> None:
         ident = self.ids.get(role)

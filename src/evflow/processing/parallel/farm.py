@@ -87,6 +87,8 @@ class FarmParent(Parent):
         # a peer forked by our own zygote: remote workers are neither. Their sockets are
         # on tcp, protected by the farm's CURVE keys (docs/farm_paths.md)
         self.ipc_auth = False
+        # remote workers' pids are not siblings of the input (input.py's HELLO check)
+        self.role_options["remote_workers"] = True
         extra = options.extra or {}
         self.host_lost_s = float(extra.get("host_lost_s", HOST_LOST_S))
         self.rejoin_s = float(extra.get("rejoin_s", REJOIN_S))
@@ -328,6 +330,10 @@ class FarmParent(Parent):
             )
             host.told = host.start_error
         host.start_error, host.retry, host.lost_at = "", True, now
+
+    def _is_role(self, name: str, pid: int) -> bool:
+        # a remote worker's HELLO comes over tcp from another host's agent's fork
+        return name in self.host_of or super()._is_role(name, pid)
 
     def _spawn_remote(self, host: _Host, names: list[str]) -> None:
         assert self.endpoints is not None

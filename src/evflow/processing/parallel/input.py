@@ -177,6 +177,8 @@ class _Input:
         # replacements on their way, recycled workers whose results are due (roster.py)
         self.roster = Roster()
         self.requeued_lost: dict[str, int] = {}  # lost worker -> events it held, re-sent
+        # hosts runs: workers are forked on other hosts, not siblings of this process
+        self.remote_workers = bool(options.get("remote_workers", False))
         self.next_check_s = 0.0
         timeout_s = self.ledger.event_timeout_s or 0.0
         self.check_ms = int(min(IDLE_WAIT_MS, max(TIMEOUT_CHECK_MS, timeout_s * 10)))
@@ -366,7 +368,7 @@ class _Input:
                 raise refuse("bad-hello", f"HELLO on the events socket from {name!r}, not a worker")
             if any(s.name == name for s in self.workers.values()) or slot is not None:
                 raise refuse("bad-hello", f"second HELLO of {name!r}")
-            if not is_sibling(pid):
+            if not self.remote_workers and not is_sibling(pid):
                 raise refuse(
                     "bad-hello", f"HELLO of {name!r}: pid {pid} is not a process of the run"
                 )

@@ -111,6 +111,8 @@ class Run:
     def remote(self, kind: str, n: int, work_ms: float, out: str, launcher: str = "ssh",
                **kw: Any) -> subprocess.Popen[str]:  # fmt: skip
         opts = ["-p", "1", "--hosts", str(self.hosts), "--launcher", launcher]
+        if "EVFLOW_CURVE_KEYS" not in self.env:
+            opts.append("--insecure")  # (plaintext on the test's own namespace hosts)
         return subprocess.Popen(
             self.argv(kind, n, work_ms, out, *opts), env=self.env, cwd=self.tmp,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw,
@@ -269,7 +271,8 @@ def test_chaos_20000_events_over_three_hosts_every_uid_exactly_once(farm, tmp_pa
     (tmp_path / "chaos.py").write_text(CHAOS)
     out = tmp_path / "chaos.evr"
     argv = [sys.executable, "-m", "evflow", "run", str(tmp_path / "chaos.py"), "-p", "1",
-            "--hosts", str(run.hosts), "--allow-quarantine", "--", str(out)]  # fmt: skip
+            "--hosts", str(run.hosts), "--insecure", "--allow-quarantine", "--",
+            str(out)]  # fmt: skip
     proc = subprocess.Popen(argv, env=run.env, cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     deadline = time.monotonic() + 60

@@ -185,3 +185,23 @@ def test_process_with_hosts_from_a_plain_script(tmp_path: Path) -> None:
     assert proc.stdout.split() == ["500", "3", "2"]  # 2 workers on a, 1 on b (its own count)
     with RecordReader(str(out)) as reader:
         assert sorted(decode_record(str(out), r).meta.uid for r in reader) == list(range(500))
+
+
+def test_hosts_over_ssh_without_keys_need_insecure(tmp_path: Path) -> None:
+    """Events to other hosts in plaintext only when asked: one error naming the fix,
+    before anything is started (the host need not even exist)."""
+    (tmp_path / "steer.py").write_text(STEERING)
+    (tmp_path / "hosts.toml").write_text(
+        '[hosts]\nfar = { address = "10.255.255.1", ssh = "root@10.255.255.1" }\n'
+    )
+    argv = [sys.executable, "-m", "evflow", "run", str(tmp_path / "steer.py"), "--hosts",
+            str(tmp_path / "hosts.toml"), "--", "100", str(tmp_path / "out.evr")]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "EVFLOW_CURVE_KEYS"}
+    proc = subprocess.run(argv, env={**env, "PYTHONPATH": SRC}, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert "hosts far" in lines[0] and "plaintext" in lines[0]
+    assert "evflow keys DIR --names controller far" in lines[0] and "--insecure" in lines[0]
+    assert not (tmp_path / "out.evr").exists()

@@ -96,6 +96,18 @@ def register(subparsers: Any) -> None:
         help="with --hosts: how the host agents are started (default ssh)",
     )
     parser.add_argument(
+        "--keys",
+        default=None,
+        metavar="DIR",
+        help="with --hosts: CURVE keys (evflow keys DIR --names controller HOST...) for every "
+        "tcp socket of the run (default: $EVFLOW_CURVE_KEYS)",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="with --hosts over ssh or slurm: allow plaintext tcp when no keys are given",
+    )
+    parser.add_argument(
         "-q",
         "--quiet",
         action="store_true",
@@ -195,6 +207,11 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
         overrides["hosts"] = args.hosts
     if getattr(args, "launcher", None):
         overrides["launcher"] = args.launcher
+    if getattr(args, "insecure", False):
+        overrides["insecure"] = True
+    if getattr(args, "keys", None):
+        # the farm keys travel in the environment, as for evflow up (transport/farmkeys.py)
+        os.environ["EVFLOW_CURVE_KEYS"] = os.path.abspath(args.keys)
     if args.quiet:
         overrides["quiet"] = True
     if getattr(args, "ordered", False):

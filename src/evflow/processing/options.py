@@ -63,6 +63,9 @@ class ProcessOptions:
     """Parallel with ``hosts``: how agents are started there: ``ssh``, ``slurm`` or ``local``."""
     host_workers: dict[str, int] | None = None
     """Parallel with ``hosts``: workers per host by name (else ``workers`` on each host)."""
+    insecure: bool = False
+    """Parallel with ``hosts`` started by ssh or Slurm: allow plaintext tcp when no CURVE
+    keys are configured (``EVFLOW_CURVE_KEYS``); without it such a run is refused."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Settings for later parts (e.g. codec, batch sizes) that have no field yet."""
 

@@ -106,6 +106,20 @@ class FarmParent(Parent):
         self._last_tick = time.monotonic()
         self._seq = 0
         self.curve = curve_keys()
+        if self.curve is None and options.launcher != "local":
+            names = ", ".join(self.farm)
+            if not options.insecure:
+                make = "evflow keys DIR --names controller " + " ".join(self.farm)
+                raise ConfigurationError(
+                    f"the workers on hosts {names} would get the run's events over plaintext "
+                    f"tcp: make CURVE keys ({make}) and pass --keys DIR, or pass --insecure "
+                    "on a trusted network"
+                )
+            print(
+                f"evflow: warning: --insecure: events and results to hosts {names} go over "
+                "plaintext tcp",
+                file=sys.stderr,
+            )
 
     # --- life cycle ---------------------------------------------------------------------
     def run(self) -> Any:

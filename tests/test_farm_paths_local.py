@@ -149,11 +149,13 @@ def test_unreachable_hosts_are_one_clear_error(tmp_path: Path) -> None:
         '[hosts]\nh1 = { address = "127.0.0.1", ssh = "ssh://root@127.0.0.1:1" }\n'
     )
     argv = [sys.executable, "-m", "evflow", "run", str(tmp_path / "steer.py"), "--hosts",
-            str(tmp_path / "hosts.toml"), "--", "10", str(tmp_path / "out.evr")]  # fmt: skip
+            str(tmp_path / "hosts.toml"), "--insecure", "--", "10",
+            str(tmp_path / "out.evr")]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": SRC}
     proc = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    warning, *lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert warning.startswith("evflow: warning: --insecure"), proc.stderr  # (asked for)
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("evflow: error: host 'h1': ssh ssh://root@127.0.0.1:1 failed")
     assert "Connection refused" in lines[0]

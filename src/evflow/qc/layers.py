@@ -27,7 +27,14 @@ from typing import Any
 
 from evflow.errors import ConfigurationError
 
-__all__ = ["MergerSpec", "build_layers", "launch_layers", "layer_layout", "run_merger"]
+__all__ = [
+    "MergerSpec",
+    "build_layers",
+    "launch_layers",
+    "layer_layout",
+    "run_device",
+    "run_merger",
+]
 
 
 def layer_layout(
@@ -148,15 +155,22 @@ def merger_params(spec: MergerSpec, **common: Any) -> dict[str, Any]:
     }
 
 
-def run_merger(
-    device_id: str, channels: list[str], session: str, params: dict[str, Any], bus: str = ""
+def run_device(
+    cls: type,
+    device_id: str,
+    channels: list[str],
+    session: str,
+    params: dict[str, Any],
+    bus: str = "",
+    *,
+    error_exits_1: bool = False,
 ) -> int:
-    """A zygote target: one ``qc-merger`` device until it ends (SIGTERM: orderly stop)."""
+    """A zygote target: one device of class ``cls`` until it ends (SIGTERM: orderly
+    stop); ``error_exits_1``: a device that ended in ERROR exits 1 at least."""
     import logging
 
     import zmq
 
-    from evflow.qc.merger import QcMerger
     from evflow.runtime.busclient import BusClient
     from evflow.transport.channel import parse_channel_config
 
@@ -167,7 +181,7 @@ def run_merger(
     )
     configs = [cfg for text in channels for cfg in parse_channel_config(text)]
     context = zmq.Context()
-    device = QcMerger(device_id, configs, session=session, context=context, **params)
+    device = cls(device_id, configs, session=session, context=context, **params)
 
     def on_term(signum: int, frame: FrameType | None) -> None:
         device.request_shutdown()
@@ -178,11 +192,21 @@ def run_merger(
         client = BusClient(context, device_id, bus)
         device.attach_bus(client)
     try:
-        return device.run()
+        code = int(device.run())
+        return max(code, 1) if error_exits_1 and device.error is not None else code
     finally:
         if client is not None:
             client.close()
         context.term()
+
+
+def run_merger(
+    device_id: str, channels: list[str], session: str, params: dict[str, Any], bus: str = ""
+) -> int:
+    """A zygote target: one ``qc-merger`` device until it ends (SIGTERM: orderly stop)."""
+    from evflow.qc.merger import QcMerger
+
+    return run_device(QcMerger, device_id, channels, session, params, bus)
 
 
 def launch_layers(

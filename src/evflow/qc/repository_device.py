@@ -24,11 +24,8 @@ import collections
 import contextlib
 import fcntl
 import logging
-import signal
-import sys
 import time
 from pathlib import Path
-from types import FrameType
 from typing import IO, Any
 
 import zmq
@@ -251,33 +248,11 @@ def run_repository(
     device_id: str, channels: list[str], session: str, params: dict[str, Any], bus: str = ""
 ) -> int:
     """A zygote target: one ``qc-repository`` device until it ends (SIGTERM: orderly stop)."""
-    from evflow.runtime.busclient import BusClient
-    from evflow.transport.channel import parse_channel_config
+    from evflow.qc.layers import run_device
 
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format=f"%(asctime)s {device_id} %(levelname)s %(message)s",
+    return run_device(
+        QcRepositoryDevice, device_id, channels, session, params, bus, error_exits_1=True
     )
-    configs = [cfg for text in channels for cfg in parse_channel_config(text)]
-    context = zmq.Context()
-    device = QcRepositoryDevice(device_id, configs, session=session, context=context, **params)
-
-    def on_term(signum: int, frame: FrameType | None) -> None:
-        device.request_shutdown()
-
-    signal.signal(signal.SIGTERM, on_term)
-    client = None
-    if bus:
-        client = BusClient(context, device_id, bus)
-        device.attach_bus(client)
-    try:
-        code = device.run()
-        return code if device.error is None else max(code, 1)
-    finally:
-        if client is not None:
-            client.close()
-        context.term()
 
 
 def repository_channel(address: str, type: str = "pull") -> str:

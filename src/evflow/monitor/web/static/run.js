@@ -7,7 +7,8 @@ function remember(d) {
   const states = (window.evRun.states[d.id] = window.evRun.states[d.id] || []);
   if (states[states.length - 1] !== d.state) states.push(d.state);
   const pids = (window.evRun.pids[d.id] = window.evRun.pids[d.id] || []);
-  if (pids[pids.length - 1] !== d.pid) pids.push(d.pid);
+  // pid 0: a device known from its STATE report before its first metrics (no pid yet)
+  if (d.pid && pids[pids.length - 1] !== d.pid) pids.push(d.pid);
 }
 
 // a restart stays marked this long (s) after the collector saw the new process

@@ -153,6 +153,42 @@ def test_a_histogram_delta_with_wrong_bin_bytes_is_refused() -> None:
         DeltaMerger().merge([frames[0], frames[1][:-8]])
 
 
+def test_the_spec_of_a_large_histogram_carries_no_bins_and_merges_the_same() -> None:
+    h = hist.Hist.new.Reg(62_498, 0, 1).Weight()  # 1 MB of bins
+    h.fill(np.linspace(0, 1, 1000), weight=2.0)
+    expected = h.copy()
+    frames = DeltaEncoder().take({"h": h})
+    assert frames is not None
+    assert len(frames[0]) < 2000  # the spec: axes and storage, its zero bins as a length
+    merger = DeltaMerger()
+    merger.merge(frames)
+    merger.merge(frames)
+    assert np.array_equal(merger.merged["h"].values(flow=True), 2 * expected.values(flow=True))
+    assert np.array_equal(
+        merger.merged["h"].variances(flow=True), 2 * expected.variances(flow=True)
+    )
+
+
+def _with_zero_length(frames: list[bytes], length: int) -> list[bytes]:
+    head = msgpack.unpackb(frames[0])
+    spec_head, *spec_frames = msgpack.unpackb(head["items"][0][2])
+    assert all(type(f) is int for f in spec_frames)
+    head["items"][0][2] = msgpack.packb([spec_head, *([length] * len(spec_frames))])
+    return [msgpack.packb(head), *frames[1:]]
+
+
+@pytest.mark.parametrize("length", [-1, 2**40, 8])
+def test_a_spec_asking_for_a_wrong_number_of_zero_bytes_is_refused(length: int) -> None:
+    h = new_value_hist()
+    h.fill([0.5])
+    frames = DeltaEncoder().take({"h": h})
+    assert frames is not None
+    merger = DeltaMerger()
+    with pytest.raises(CodecError):
+        merger.merge(_with_zero_length(frames, length))
+    assert merger.merged == {}
+
+
 # --- which deltas the output merges -------------------------------------------------------
 def delta_of(n_fills: int) -> list[bytes]:
     h = new_value_hist()

@@ -26,7 +26,8 @@ Wire format of a delta (extra payload frames at the end of the worker's EVENTS
 message, ``d`` = how many): ``[head, *arrays]`` where ``head`` is msgpack
 ``{"v": 1, "items": [[name, kind, ...], ...]}``. Kinds: ``h`` [spec bytes, frame
 index] raw bin array of an additive histogram; ``x`` [spec bytes] a whole histogram
-(``spec`` is ``encode_persistent`` of it, packed); ``nd`` [dtype, shape, frame
+(``spec``: msgpack ``[head, *frames]`` of ``encode_persistent``, a frame of zeros
+given as its length: an empty histogram's spec holds no bins); ``nd`` [dtype, shape, frame
 index]; ``num`` [value]. A malformed delta raises ``CodecError``.
 """
 
@@ -64,13 +65,27 @@ def _additive() -> tuple[type, ...]:
     return (st.Double, st.Int64, st.AtomicInt64, st.Weight)
 
 
+#: the most zero bytes one spec may ask for (a frame sent as its length)
+MAX_ZERO_FRAME = 1 << 31
+
+
 def _pack_spec(obj: Any) -> bytes:
+    """A histogram's description: its persistent encoding, a frame of zeros (the bins of
+    an empty histogram) sent as its length. The spec of an empty 500 kB histogram is a
+    few hundred bytes, not 500 kB: it travels in every delta head and the merger
+    compares heads to find their plan."""
     head, frames, _ = encode_persistent({"t": obj})
-    return msgpack.packb([head, *(bytes(f) for f in frames)])
+    packed = [len(f) if not np.frombuffer(f, dtype=np.uint8).any() else bytes(f) for f in frames]
+    return msgpack.packb([head, *packed])
 
 
 def _unpack_spec(spec: bytes) -> Any:
     head, *frames = msgpack.unpackb(spec)
+    for i, frame in enumerate(frames):
+        if type(frame) is int:
+            if not 0 <= frame <= MAX_ZERO_FRAME:
+                raise CodecError(f"histogram delta spec asks for {frame} zero bytes")
+            frames[i] = bytes(frame)
     return decode_persistent(head, frames)["t"]
 
 

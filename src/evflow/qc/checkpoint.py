@@ -16,7 +16,7 @@ from evflow.qc.objects import decode_object, encode_object
 from evflow.qc.sources import SourceState
 
 if TYPE_CHECKING:
-    from evflow.qc.mergestate import MergeState
+    from evflow.qc.mergestate import Latest, MergeState
 
 STATE_VERSION = 1
 
@@ -27,6 +27,9 @@ def state_to_bytes(self: MergeState) -> bytes:
     def enc(objs: dict[str, Any]) -> dict[str, bytes]:
         return {n: encode_object(o) for n, o in objs.items()}
 
+    def enc_latest(latest: Latest) -> dict[str, list[Any]]:
+        return {s: [n, enc(objs)] for s, (n, objs) in latest.items()}
+
     tasks = {}
     for name, st in self.tasks.items():
         st.flush()
@@ -34,8 +37,10 @@ def state_to_bytes(self: MergeState) -> bytes:
             "integral": enc(st.integral.merged),
             "events": st.integral_events,
             "window": [[enc(objs), n] for objs, n in st.window],
-            "latest": {s: [n, enc(objs)] for s, (n, objs) in st.latest.items()},
+            "latest": enc_latest(st.latest),
             "latest_seq": st.latest_seq,
+            "snapshots": [enc_latest(snap) for snap in st.snapshots],
+            "reset_base": enc_latest(st.reset_base),
         }
     sources = {
         s: [
@@ -66,6 +71,13 @@ def state_to_bytes(self: MergeState) -> bytes:
     )
 
 
+def dec_latest(data: dict[str, Any]) -> Latest:
+    return {
+        s: (int(n), {str(k): decode_object(b) for k, b in objs.items()})
+        for s, (n, objs) in data.items()
+    }
+
+
 def restore_state(self: MergeState, data: bytes) -> None:
     """Load a checkpoint of ``to_bytes`` (CodecError if it is not one)."""
     try:
@@ -82,10 +94,10 @@ def restore_state(self: MergeState, data: bytes) -> None:
             st.integral_events = t["events"]
             for objs, n in t["window"]:
                 st.window.append(({k: decode_object(b) for k, b in objs.items()}, n))
-            st.latest = {
-                s: (n, {k: decode_object(b) for k, b in objs.items()})
-                for s, (n, objs) in t["latest"].items()
-            }
+            st.latest = dec_latest(t["latest"])
+            # (checkpoints written before the window held across layers lack these)
+            st.snapshots.extend(dec_latest(snap) for snap in t.get("snapshots", []))
+            st.reset_base = dec_latest(t.get("reset_base", {}))
             st.latest_seq = dict(t["latest_seq"])
         for s, (task, upto, extra, events, last, pub, ended, up) in d["sources"].items():
             self.sources[s] = SourceState(task, upto, set(extra), events, last, pub, ended, up)

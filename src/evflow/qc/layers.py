@@ -145,8 +145,17 @@ def build_layers(
     return specs, routes
 
 
+#: parameters of the top merger only: lower mergers publish their plain integral, from
+#: which the top merger computes the window and the integral since its last reset
+TOP_ONLY = ("window_cycles", "reset_every")
+
+
 def merger_params(spec: MergerSpec, **common: Any) -> dict[str, Any]:
-    """The device parameters of a merger: it expects and waits for its inputs."""
+    """The device parameters of a merger: it expects and waits for its inputs.
+
+    ``window_cycles`` and ``reset_every`` go to the top merger only (see TOP_ONLY)."""
+    if spec.parent is not None:
+        common = {k: v for k, v in common.items() if k not in TOP_ONLY}
     return {
         "expected": ",".join(spec.inputs),
         "inputs": len(spec.inputs),

@@ -14,6 +14,15 @@ checkpointed on its own:
 
 Deltas merge through the parallel engine's ``DeltaMerger`` (raw bin arrays added in
 place); the other kinds (record batches, whole objects) through ``objects.merge``.
+
+The window and the reset hold in every layer. Deltas are kept per cycle (the last k
+cycles of the window). Full objects (a lower merger's integral, a producer in full
+mode) are integrals that only grow, so the merger keeps, per source, its latest one
+at each of the last k cycle ends and at the last reset: the window is the latest
+minus the one of k cycles ago, the integral since a reset the latest minus the one
+at the reset (``objects.subtract``), summed over the sources. Lower mergers publish
+their plain integral (``layers.merger_params`` gives the window and the reset to the
+top merger only).
 """
 
 from __future__ import annotations
@@ -27,7 +36,14 @@ import msgpack
 from evflow.errors import CodecError, IncompatibleObjectsError, NotMergeableError
 from evflow.processing.parallel.deltas import DeltaMerger
 from evflow.qc.checkpoint import restore_state, state_to_bytes
-from evflow.qc.objects import check_compatible, copy_object, decode_object, describe, merge
+from evflow.qc.objects import (
+    check_compatible,
+    copy_object,
+    decode_object,
+    describe,
+    merge,
+    subtract,
+)
 from evflow.qc.publication import PublishedObject, qc_path
 from evflow.qc.sources import SourceState, check_header, completeness_record, split_payload
 from evflow.qc.stacked import PlanIndex, StackPlan, plan_frames
@@ -35,6 +51,15 @@ from evflow.qc.stacked import PlanIndex, StackPlan, plan_frames
 #: merged sequence numbers kept above a source's contiguous ``upto`` (out-of-order re-sends)
 MAX_SEQ_GAP = 4096
 _NO_OBJECTS = msgpack.packb([])
+
+#: source -> (events, name -> object): the latest full objects of every source
+Latest = dict[str, tuple[int, dict[str, Any]]]
+
+
+def snapshot(latest: Latest) -> Latest:
+    """A copy of ``latest`` that later publications do not change (objects are shared:
+    a received object is never changed in place)."""
+    return {src: (n, dict(objs)) for src, (n, objs) in latest.items()}
 
 
 class TaskState:
@@ -48,7 +73,10 @@ class TaskState:
         self.cycle_events = 0
         self.window: deque[tuple[dict[str, Any], int]] = deque(maxlen=max(window_cycles, 1))
         # full-object mode: source -> (events, name -> object)
-        self.latest: dict[str, tuple[int, dict[str, Any]]] = {}
+        self.latest: Latest = {}
+        # ``latest`` at the end of each of the last k cycles (window) and at the last reset
+        self.snapshots: deque[Latest] = deque(maxlen=max(window_cycles, 1))
+        self.reset_base: Latest = {}
         self.latest_seq: dict[str, int] = {}
         # name -> (spec, id of the merged object) of the last delta found compatible
         self.checked: dict[str, tuple[bytes, int]] = {}
@@ -118,6 +146,12 @@ class MergeState:
     # --- problems ------------------------------------------------------------------------
     def _drop(self, reason: str, key: str, text: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        if (reason, key) not in self._reported and len(self._reported) < 10_000:
+            self._reported.add((reason, key))
+            self.problems.append(text)
+
+    def _warn(self, reason: str, key: str, text: str) -> None:
+        """Report once, drop nothing."""
         if (reason, key) not in self._reported and len(self._reported) < 10_000:
             self._reported.add((reason, key))
             self.problems.append(text)
@@ -319,6 +353,14 @@ class MergeState:
         """Keep a lower merger's integral as the latest full object of ``src``."""
         if pub.metadata.get("view", "integral") != "integral":
             return "ignored"
+        if pub.metadata.get("resets") and (self.window_cycles or self.reset_every):
+            self._warn(
+                "lower_reset",
+                src,
+                f"merger {src!r} resets its integral: the window and the reset of this "
+                "merger assume integrals that only grow (set window_cycles and "
+                "reset_every on the top merger only)",
+            )
         if not self._check_run(src, pub.run):
             return "dropped"
         source = self._source(src, pub.task)
@@ -389,6 +431,12 @@ class MergeState:
                     w_events += n
                     for name, obj in objs.items():
                         _merge_into(window, name, obj, "window")
+                if state.latest:
+                    full = len(state.snapshots) == self.window_cycles
+                    w_events += self._latest_since(
+                        state, state.snapshots[0] if full else {}, window
+                    )
+                state.snapshots.append(snapshot(state.latest))
                 for name, obj in window.items():
                     out.append(
                         self._pub(
@@ -409,6 +457,7 @@ class MergeState:
             for state in self.tasks.values():
                 state.integral, state.integral_events = DeltaMerger(), 0
                 state.checked.clear()
+                state.reset_base = snapshot(state.latest)
         return out
 
     def _pub(
@@ -436,17 +485,27 @@ class MergeState:
         )
 
     def _integral(self, state: TaskState) -> tuple[dict[str, Any], int]:
-        """Copies of the integral plus every source's latest full objects."""
+        """Copies of the integral plus every source's latest full objects (since the
+        last reset)."""
         out = {name: copy_object(obj) for name, obj in state.integral.merged.items()}
-        events = state.integral_events
+        events = state.integral_events + self._latest_since(state, state.reset_base, out)
+        return out, events
+
+    def _latest_since(self, state: TaskState, base: Latest, out: dict[str, Any]) -> int:
+        """Add into ``out`` what every source's latest full objects hold beyond ``base``
+        (its objects of an earlier cycle end: everything if none); returns the events."""
+        events = 0
         for src, (n, objs) in state.latest.items():
-            events += n
+            base_n, base_objs = base.get(src, (0, {}))
+            events += n - base_n
             for name, obj in objs.items():
                 try:
-                    _merge_into(out, name, obj, f"source {src!r}")
+                    earlier = base_objs.get(name)
+                    part = obj if earlier is None else subtract(obj, earlier, name)
+                    _merge_into(out, name, part, f"source {src!r}")
                 except (IncompatibleObjectsError, NotMergeableError) as exc:
                     self._drop("incompatible", f"{name}/{src}", str(exc))
-        return out, events
+        return events
 
     # --- checkpoint ----------------------------------------------------------------------
     def to_bytes(self) -> bytes:

@@ -46,6 +46,7 @@ __all__ = [
     "encode_object",
     "is_mergeable",
     "merge",
+    "subtract",
 ]
 
 OBJECT_FORMAT_VERSION = 1
@@ -216,6 +217,55 @@ def merge(a: Any, b: Any, name: str = "", sides: tuple[str, str] = ("merged", "d
     except (ValueError, TypeError) as exc:
         _incompatible(name, a, b, sides, str(exc))
     return a
+
+
+def subtract(later: Any, earlier: Any, name: str = "") -> Any:
+    """What was added to an object between two of its integrals: ``later - earlier``.
+
+    ``earlier`` is an older integral of the same source (a lower merger's publication
+    of a previous cycle); the result is a new object. Histograms of additive storages
+    subtract bin by bin (a Weight's sum of weights and of squared weights alike);
+    numbers and arrays subtract; record batches keep the rows after those of
+    ``earlier``, which must be their first rows (a lower merger's integral of its
+    producers' deltas is; one of producers in full mode is not). Raises
+    NotMergeableError for a kind that does not subtract (Mean storages) and
+    IncompatibleObjectsError if the two do not match (binning changed, rows not
+    appended).
+    """
+    sides = ("a later integral", "an earlier integral")
+    check_compatible(later, earlier, name, sides)
+    if isinstance(later, RecordBatch):
+        out = later.empty_like()
+        start = len(earlier)
+        cols, before = later.columns(), earlier.columns()
+        if any(not np.array_equal(cols[k][:start], v) for k, v in before.items()):
+            _incompatible(name, later, earlier, sides, "rows not appended: cannot subtract")
+        out.extend(
+            {k: v[start:] for k, v in cols.items()},
+            dropped=max(0, later.dropped - earlier.dropped),
+        )
+        return out
+    if isinstance(later, _histogram_type()):
+        if later.axes != earlier.axes:
+            _incompatible(name, later, earlier, sides, "binning changed: cannot subtract")
+        from boost_histogram import storage
+
+        if not issubclass(later.storage_type, storage.Double | storage.Int64 | storage.Weight):
+            label = f"QC object {name!r}" if name else "QC object"
+            raise NotMergeableError(
+                f"{label} has {later.storage_type.__name__} storage: it cannot be subtracted "
+                "(the window or reset of an upper merger needs Double, Int64 or Weight)"
+            )
+        out = later.copy(deep=False)
+        mine = out.view(flow=True).view(np.ndarray)
+        theirs = earlier.view(flow=True).view(np.ndarray)
+        for field in mine.dtype.names or (None,):
+            if field is None:
+                mine -= theirs
+            else:
+                mine[field] -= theirs[field]
+        return out
+    return later - earlier
 
 
 def copy_object(obj: Any) -> Any:

@@ -1,0 +1,166 @@
+"""The moving window and the periodic reset at the top of several merger layers.
+
+In process and deterministic: p producers (the real ``QcTask`` objects and delta
+codec) fill the events of each cycle and send them to the lower mergers, which publish
+their plain integral; the top merger (window of k cycles, reset every n) takes those
+publications. After each cycle the top's integral must equal the objects filled
+sequentially with the events since the last reset, and its window those of the last k
+cycles, bin by bin, also when every merger is restarted from its checkpoint mid-run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from evflow.processing.parallel.deltas import DeltaEncoder
+from evflow.qc.layers import build_layers, merger_params
+from evflow.qc.mergestate import MergeState
+from evflow.qc.producer import take_payload
+from evflow.qc.publication import PublishedObject
+from test_qc_layers import RUN, Detector, assert_equal_objects, event, reference
+
+#: events per cycle (all different, so that every window differs from its neighbours)
+CYCLE_EVENTS = [40, 7, 25, 60, 3, 33, 18, 51]
+
+
+class Producer:
+    """A QcTask's objects and delta encoder, its messages handed over without a socket."""
+
+    def __init__(self, j: int, mode: str, hists_only: bool = False) -> None:
+        self.src, self.mode, self.seq = f"prod-{j}", mode, 0
+        self.task = Detector(name="det", hists_only=hists_only)
+        self.task.initialize()
+        self.encoder = DeltaEncoder()
+        self.events = 0
+
+    def fill(self, i: int) -> None:
+        self.task.event(event(i))
+        self.events += 1
+
+    def message(self, cycle: int) -> tuple[dict[str, Any], list[bytes]]:
+        self.seq += 1
+        payload = take_payload(self.task.objects, self.encoder, self.mode, set())
+        header = {"qc": 1, "src": self.src, "task": "det", "run": RUN, "cycle": cycle,
+                  "seq": self.seq, "events": self.events, "mode": self.mode}  # fmt: skip
+        if self.mode == "delta":
+            self.events = 0  # full mode: the whole objects, all events since the start
+        return header, payload
+
+
+def by_view(pubs: list[PublishedObject]) -> tuple[dict[str, Any], dict[str, Any]]:
+    integral = {p.name: p for p in pubs if p.metadata["view"] == "integral"}
+    window = {p.name.removesuffix("/window"): p for p in pubs if p.metadata["view"] == "window"}
+    return integral, window
+
+
+def restarted(state: MergeState) -> MergeState:
+    again = MergeState(state.merger_id, state.run, state.expected, state.window_cycles,
+                       state.reset_every)  # fmt: skip
+    again.restore(state.to_bytes())
+    return again
+
+
+def check_cycles(
+    layout: list[int],
+    window: int,
+    reset: int,
+    mode: str = "delta",
+    restart_at: int = 0,
+    hists_only: bool = False,
+) -> None:
+    p = 4
+    producers = [Producer(j, mode, hists_only) for j in range(p)]
+    specs, routes = build_layers([pr.src for pr in producers], layout)
+    common = {"window_cycles": window, "reset_every": reset}
+    mergers: dict[str, MergeState] = {}
+    for spec in specs:
+        params = merger_params(spec, **common)
+        mergers[spec.id] = MergeState(spec.id, RUN, len(spec.inputs),
+                                      params.get("window_cycles", 0),
+                                      params.get("reset_every", 0))  # fmt: skip
+    lower = [s for s in specs if s.parent is not None]
+    top = specs[-1]
+    assert (mergers[top.id].window_cycles, mergers[top.id].reset_every) == (window, reset)
+    assert all(mergers[s.id].window_cycles == mergers[s.id].reset_every == 0 for s in lower)
+    address_of = {s.address: s.id for s in specs}
+    cycle_of_event: list[int] = []
+    start = 0
+    for cycle, n in enumerate(CYCLE_EVENTS, start=1):
+        for i in range(start, start + n):
+            producers[i % p].fill(i)
+            cycle_of_event.append(cycle)
+        start += n
+        for pr in producers:
+            merger = mergers[address_of[routes[pr.src]]]
+            assert merger.accept(*pr.message(cycle)) == "merged"
+        for spec in specs[:-1]:  # bottom-up: each layer publishes into the one above
+            parent = mergers[address_of[spec.parent]]  # type: ignore[index]
+            for pub in mergers[spec.id].publish():
+                parent.accept_publication(spec.id, pub)
+        integral, win = by_view(mergers[top.id].publish())
+        since_reset = (cycle - 1) // reset * reset + 1 if reset else 1
+        want = [i for i, c in enumerate(cycle_of_event) if c >= since_reset]
+        assert_equal_objects(integral, reference(want, hists_only))
+        assert all(pub.event_count == len(want) for pub in integral.values())
+        if window:
+            want = [i for i, c in enumerate(cycle_of_event) if c > cycle - window]
+            assert_equal_objects(win, reference(want, hists_only))
+            assert all(pub.event_count == len(want) for pub in win.values())
+        if cycle == restart_at:  # every merger killed after its publication
+            mergers = {mid: restarted(state) for mid, state in mergers.items()}
+    assert mergers[top.id].resets == (len(CYCLE_EVENTS) // reset if reset else 0)
+
+
+@pytest.mark.parametrize("layout", [[1], [2, 1], [2, 2, 1]], ids=["1", "2-1", "2-2-1"])
+@pytest.mark.parametrize(("window", "reset"), [(3, 0), (0, 3), (2, 3), (3, 2)])
+def test_window_and_reset_at_the_top_equal_the_sequential_fill(
+    layout: list[int], window: int, reset: int
+) -> None:
+    check_cycles(layout, window, reset)
+
+
+@pytest.mark.parametrize("layout", [[1], [2, 1]], ids=["1", "2-1"])
+def test_window_and_reset_survive_a_restart_of_every_merger(layout: list[int]) -> None:
+    check_cycles(layout, window=3, reset=4, restart_at=5)
+
+
+@pytest.mark.parametrize(("layout", "hists_only"), [([1], False), ([2, 1], True)], ids=str)
+def test_window_and_reset_of_producers_in_full_object_mode(
+    layout: list[int], hists_only: bool
+) -> None:
+    """A producer in full mode sends its whole objects: the merger subtracts its earlier
+    ones. Above a lower merger only histograms, numbers and arrays can be (the lower
+    merger's integral puts each full producer's rows together: not an append)."""
+    check_cycles(layout, window=2, reset=3, mode="full", restart_at=4, hists_only=hists_only)
+
+
+def test_rows_of_full_mode_producers_are_refused_above_a_lower_merger() -> None:
+    top = MergeState("top", RUN, window_cycles=2)
+    low = MergeState("low", RUN)
+    producers = [Producer(j, "full") for j in range(2)]
+    for cycle in (1, 2, 3):
+        for j, pr in enumerate(producers):
+            pr.fill(2 * cycle + j)
+            low.accept(*pr.message(cycle))
+        for pub in low.publish():
+            top.accept_publication("low", pub)
+        integral, window = by_view(top.publish())
+        assert sorted(integral["rows"].obj.column("i")) == list(range(2, 2 * cycle + 2))
+    assert "rows" not in window and "h1" in window
+    assert top.dropped == {"incompatible": 1}
+    assert any("rows not appended" in text for text in top.take_problems())
+
+
+def test_a_lower_merger_that_resets_is_reported_once() -> None:
+    top = MergeState("top", RUN, window_cycles=2)
+    low = MergeState("low", RUN, reset_every=1)
+    pr = Producer(0, "delta")
+    for cycle in (1, 2, 3):
+        pr.fill(cycle)
+        low.accept(*pr.message(cycle))
+        for pub in low.publish():
+            top.accept_publication("low", pub)
+    problems = top.take_problems()
+    assert len(problems) == 1 and "'low' resets its integral" in problems[0]

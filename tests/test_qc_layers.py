@@ -123,12 +123,15 @@ def assert_equal_objects(got: dict[str, PublishedObject], ref: dict[str, Any]) -
 class Results:
     """The test's end of the top merger's qc-out: a PULL socket collecting publications."""
 
-    def __init__(self, context: zmq.Context[Any], session: str) -> None:
+    def __init__(
+        self, context: zmq.Context[Any], session: str, keep: list[PublishedObject] | None = None
+    ) -> None:
         (cfg,) = parse_channel_config(f"name=results,type=pull,method=bind,address={RESULTS}")
         self.channel = open_channel(context, cfg, session)
         self.bad = BadMessageCounter("test results")
         self.final: dict[str, PublishedObject] = {}
         self.count = 0
+        self.keep = keep  # every publication, if asked
 
     def collect(self, sup: Supervisor, until: Any, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -141,6 +144,8 @@ class Results:
                 continue
             _, pub = decode_publication(msg)
             self.count += 1
+            if self.keep is not None:
+                self.keep.append(pub)
             if pub.metadata.get("final"):
                 self.final[pub.name] = pub
         assert until(), f"timed out; {self.count} publications, final: {sorted(self.final)}"
@@ -156,17 +161,22 @@ def run_topology(
     layout: list[int],
     kill: str | None = None,
     hists_only: bool = False,
+    keep: list[PublishedObject] | None = None,
+    **top: Any,
 ) -> tuple[dict[str, PublishedObject], Supervisor, list[str]]:
+    """Run producers and merger layers; ``top``: more parameters (all layers get them;
+    ``launch_layers`` gives the window and the reset to the top merger only);
+    ``keep``: a list that receives every publication of the top merger."""
     producers = [f"prod-{j}" for j in range(p)]
     specs, routes = build_layers(producers, layout)
     context = zmq.Context()
     sup = Supervisor(bus=False).start()
-    results = Results(context, sup.session)
+    results = Results(context, sup.session, keep)
     try:
         inputs = {}
         if kill == "producer":  # the killed one never ends: it is gone after 1 s of silence
             inputs = {"source_timeout_s": 1.0}
-        launch_layers(sup, specs[:-1], state_dir=tmp_path, cycle_s=0.1, run_number=RUN)
+        launch_layers(sup, specs[:-1], state_dir=tmp_path, cycle_s=0.1, run_number=RUN, **top)
         launch_layers(
             sup,
             specs[-1:],
@@ -175,6 +185,7 @@ def run_topology(
             cycle_s=0.1,
             run_number=RUN,
             **inputs,
+            **top,
         )
         for j, src in enumerate(producers):
             sup.add_function(

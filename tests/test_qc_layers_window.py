@@ -10,8 +10,10 @@ cycles, bin by bin, also when every merger is restarted from its checkpoint mid-
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from evflow.processing.parallel.deltas import DeltaEncoder
@@ -19,7 +21,14 @@ from evflow.qc.layers import build_layers, merger_params
 from evflow.qc.mergestate import MergeState
 from evflow.qc.producer import take_payload
 from evflow.qc.publication import PublishedObject
-from test_qc_layers import RUN, Detector, assert_equal_objects, event, reference
+from test_qc_layers import (
+    RUN,
+    Detector,
+    assert_equal_objects,
+    event,
+    reference,
+    run_topology,
+)
 
 #: events per cycle (all different, so that every window differs from its neighbours)
 CYCLE_EVENTS = [40, 7, 25, 60, 3, 33, 18, 51]
@@ -164,3 +173,64 @@ def test_a_lower_merger_that_resets_is_reported_once() -> None:
             top.accept_publication("low", pub)
     problems = top.take_problems()
     assert len(problems) == 1 and "'low' resets its integral" in problems[0]
+
+
+def test_two_layers_of_merger_processes_publish_a_consistent_window(tmp_path: Path) -> None:
+    """Real processes (producers -> 2 mergers -> 1): the top's window of every cycle is
+    its integral minus its integral of k cycles before, bin by bin, and the final
+    integral is the sequential fill of every event."""
+    n_events, k = 12_000, 2
+    pubs: list[PublishedObject] = []
+    final, _, _ = run_topology(
+        tmp_path, 4, n_events, [2, 1], hists_only=True, keep=pubs, window_cycles=k
+    )
+    assert_equal_objects(final, reference(list(range(n_events)), hists_only=True))
+    by_cycle: dict[int, dict[str, PublishedObject]] = {}
+    for pub in pubs:
+        by_cycle.setdefault(pub.sequence, {})[pub.name] = pub
+    checked = 0
+    for seq, objs in sorted(by_cycle.items()):
+        before = by_cycle.get(seq - k)
+        if before is None or "h1/window" not in objs:
+            continue
+        for name in ("h1", "h2", "h3", "hn"):
+            window = objs[f"{name}/window"]
+            assert window.metadata["view"] == "window" and window.metadata["cycles"] == k
+            want = objs[name].obj.view(flow=True).view(np.ndarray).copy()
+            earlier = before[name].obj.view(flow=True).view(np.ndarray)
+            for field in want.dtype.names or (None,):
+                if field is None:
+                    want -= earlier
+                else:
+                    want[field] -= earlier[field]
+            got = window.obj.view(flow=True).view(np.ndarray)
+            assert np.array_equal(got, want), name
+            assert window.event_count == objs[name].event_count - before[name].event_count
+        checked += 1
+    assert checked >= 3, f"only {checked} cycles with a window"
+
+
+def test_a_top_cycle_between_two_objects_of_a_lower_cycle_keeps_the_older_one() -> None:
+    """Publications of one lower cycle arrive one object at a time; a top cycle that
+    closes in between sums that merger's previous integral of the objects still to
+    come, never nothing."""
+    top = MergeState("top", RUN)
+    low = MergeState("low", RUN)
+    pr = Producer(0, "delta", hists_only=True)
+    pr.fill(1)
+    low.accept(*pr.message(1))
+    for pub in low.publish():
+        top.accept_publication("low", pub)
+    pr.fill(2)
+    low.accept(*pr.message(2))
+    first, *rest = low.publish()
+    top.accept_publication("low", first)
+    integral, _ = by_view(top.publish())
+    assert sorted(integral) == ["h1", "h2", "h3", "hn"]
+    assert integral[first.name].obj == reference([1, 2], hists_only=True)[first.name]
+    for name in {"h1", "h2", "h3", "hn"} - {first.name}:
+        assert integral[name].obj == reference([1], hists_only=True)[name]
+    for pub in rest:
+        top.accept_publication("low", pub)
+    integral, _ = by_view(top.publish())
+    assert_equal_objects(integral, reference([1, 2], hists_only=True))

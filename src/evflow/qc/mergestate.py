@@ -370,9 +370,10 @@ class MergeState:
         if pub.sequence < state.latest_seq.get(src, 0):
             self.counters["late"] += 1  # an older integral: the newer one holds it already
             return "late"
+        # the objects of a new cycle of that merger replace its old ones one by one: until
+        # all have come, the others stay those of its previous cycle (integrals that only
+        # grow, never a source missing from a sum)
         _, objs = state.latest.get(src, (0, {}))
-        if pub.sequence > state.latest_seq.get(src, 0):
-            objs = {}  # a new cycle of that merger: its objects replace the old ones
         mine = state.integral.merged.get(pub.name)
         if mine is not None:
             try:

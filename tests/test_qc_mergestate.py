@@ -342,3 +342,32 @@ def test_joined_payloads_of_many_histograms_merge_exactly() -> None:
     for k, h in ref.objects.items():
         assert out[k].obj == h, k
     assert state.dropped == {"garbage": 2}
+
+
+def test_a_500_kB_delta_merges_from_its_frame_and_a_short_or_forged_one_is_dropped() -> None:
+    """The fast path adds a large histogram straight from the received frame (no copy);
+    a frame too short, or a head whose spec asks for another number of zero bins, is
+    dropped and counted, and the integral stays what it was."""
+    p = Producer("p")
+    p.objects = {"h": hist.Hist.new.Reg(62_498, 0, 1).Double()}  # histograms only
+    p.objects["h"].fill([0.25, 0.5])
+    state = MergeState("m", run=5)
+    header, payload = p.message()
+    assert len(payload[1]) < 2000  # the head: the spec's empty bins travel as a length
+    assert state.accept(header, payload) == "merged"
+    assert state.tasks["t"].plans.count == 1  # the fast path
+    p.objects["h"].fill([0.75])
+    header, payload = p.message()
+    frame = np.frombuffer(payload[2], dtype=np.uint8)
+    assert state.accept(header, [*payload[:2], memoryview(frame[:-8])]) == "dropped"
+    head = msgpack.unpackb(payload[1])
+    spec = msgpack.unpackb(head["items"][0][2])
+    spec[1] = 16  # 16 zero bytes where the histogram has 500 kB of bins
+    head["items"][0][2] = msgpack.packb(spec)
+    forged = {**header, "seq": header["seq"] + 1}
+    assert state.accept(forged, [payload[0], msgpack.packb(head), payload[2]]) == "dropped"
+    assert state.dropped == {"garbage": 2}
+    out = _final(state)
+    ref = hist.Hist.new.Reg(62_498, 0, 1).Double()
+    ref.fill([0.25, 0.5])
+    assert out["h"].obj == ref

@@ -34,14 +34,17 @@ def _strip_arrays(obj: Any, frames: list[Any]) -> Any:
     return obj
 
 
-def _restore_arrays(obj: Any, frames: list[Any]) -> Any:
+def _restore_arrays(obj: Any, frames: list[Any], copy: bool = True) -> Any:
+    """``obj`` with its array references replaced by the arrays; ``copy=False``: read-only
+    views on the frames (for a histogram, whose storage copies them in any case)."""
     if isinstance(obj, dict):
         if "__nd__" in obj:
             raw = frames[int(obj["__nd__"])]
-            return np.frombuffer(raw, dtype=obj["dtype"]).reshape(obj["shape"]).copy()
-        return {k: _restore_arrays(v, frames) for k, v in obj.items()}
+            arr = np.frombuffer(raw, dtype=obj["dtype"]).reshape(obj["shape"])
+            return arr.copy() if copy else arr
+        return {k: _restore_arrays(v, frames, copy) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_restore_arrays(v, frames) for v in obj]
+        return [_restore_arrays(v, frames, copy) for v in obj]
     return obj
 
 
@@ -97,7 +100,8 @@ def decode_persistent(header: bytes | memoryview, frames: list[Any]) -> dict[str
     out: dict[str, Any] = {}
     for name, kind, desc in head["items"]:
         if kind in ("hist", "bh"):
-            data = _restore_arrays(desc, frames)
+            # from_uhi copies the bins into the histogram's storage: no copy before it
+            data = _restore_arrays(desc, frames, copy=False)
             if kind == "hist":
                 from hist import serialization as hser
 

@@ -230,7 +230,7 @@ def plot_merge(rows: dict[str, Any]) -> None:
         ax.bar(np.arange(len(labels)) + (k - 2) * width, vals, width, label=name)
     ax.set_yscale("log")
     ax.set_xticks(range(len(labels)), labels)
-    ax.set_ylabel("time per merge (ms)")
+    ax.set_ylabel("CPU time per merge (ms)")
     ax.set_title("QC merge time per histogram (one process)")
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -11,7 +11,8 @@ merger's ``qc-out`` is the caller's). Producers are spread in contiguous blocks.
 :class:`~evflow.runtime.supervisor.Supervisor`: forked from the zygote (default, fast)
 or as ``evflow device qc-merger`` commands (``exec_devices=True``), restarted on
 failure from their checkpoint (``state_dir``), on the supervisor's control bus.
-The farm layer builds the same specs into a topology for many hosts.
+On many hosts, a topology file can run the same mergers as ``qc-merger`` devices
+(``merger_params`` and ``MergerSpec.channel_configs`` give their settings).
 """
 
 from __future__ import annotations

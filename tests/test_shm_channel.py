@@ -43,11 +43,12 @@ def sink(session: str, stats: Path) -> subprocess.Popen[bytes]:
     )
 
 
-def sampler(session: str, n: int, size: int = MB) -> subprocess.Popen[bytes]:
+def sampler(session: str, n: int, size: int = MB, zero: bool = False) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [
             *(sys.executable, "-m", "evflow", "device", "sampler", "--id", "sampler"),
             *("--session", session, "--max-iterations", str(n), "--msg-size", str(size)),
+            *("--zero-copy", "true" if zero else "false"),
             *("--severity", "warn", "--ack-timeout-s", "5"),
             *("--channel-config", chan("push", "connect", "ipc://d", f",shmSize={8 * MB}")),
             *("--channel-config", "name=data-ack,type=pull,method=connect,address=ipc://da"),
@@ -70,9 +71,10 @@ def kill(*procs: subprocess.Popen[bytes]) -> None:
 
 
 def clean_run(session: str, tmp: Path) -> dict[str, int]:
-    """A fresh pair (the "next start"): 200 messages of 1 MB through the ring."""
+    """A fresh pair (the "next start"): 200 messages of 1 MB, each written in place in
+    the sender's region (``--zero-copy``) and counted in place by the sink."""
     s = sink(session, tmp / "ok.json")
-    p = sampler(session, 200)
+    p = sampler(session, 200, zero=True)
     try:
         assert p.wait(60) == 0 and s.wait(60) == 0
     finally:

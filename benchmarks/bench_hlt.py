@@ -277,10 +277,11 @@ def bench_shm(quick: bool, rounds: int = 0) -> None:
     rounds = rounds or (1 if quick else 3)
     print(
         "\ndevice channel, one hop, payload written by the sender and read by the receiver "
-        f"(GB/s at the receiver, median of {rounds}; receiver CPU us per message)"
+        f"(GB/s at the receiver, median of {rounds}; CPU us per message, receiver and sender)"
     )
     head = "".join(f"{m + ' GB/s':>15}" for m in SHM_MODES)
-    print(f"{'payload':>8}{head}{'zero/zmq':>10}{'zero/copy':>10}   rx CPU us/msg (zmq/copy/zero)")
+    cpu_head = "CPU us/msg: rx zmq / copy / zero, then tx"
+    print(f"{'payload':>8}{head}{'zero/zmq':>10}{'zero/copy':>10}   {cpu_head}")
     for size in (100_000, 1_000_000, 10_000_000):
         n = max(20, int((250e6 if quick else 1.5e9) // size))
         runs: dict[str, list[dict[str, Any]]] = {m: [] for m in SHM_MODES}
@@ -290,11 +291,14 @@ def bench_shm(quick: bool, rounds: int = 0) -> None:
                 runs[mode].append(_shm_pair(mode, size, n))
         med = {m: _median([x["gb_per_s"] for x in runs[m]]) for m in SHM_MODES}
         cpu = {m: _median([x["cpu_us_per_msg"] for x in runs[m]]) for m in SHM_MODES}
+        tx_cpu = {m: _median([x["send"]["cpu_s"] / n * 1e6 for x in runs[m]]) for m in SHM_MODES}
         cols = "".join(f"{med[m]:>15.2f}" for m in SHM_MODES)
         print(
             f"{size / 1e6:>6.1f}MB{cols}{med['shm-zero'] / med['zmq']:>9.2f}x"
             f"{med['shm-zero'] / med['shm-copy']:>9.2f}x   "
             + " / ".join(f"{cpu[m]:.0f}" for m in SHM_MODES)
+            + "   tx: "
+            + " / ".join(f"{tx_cpu[m]:.0f}" for m in SHM_MODES)
         )
         zero_tx = runs["shm-zero"][-1]["send"]
         print(

@@ -68,6 +68,9 @@ _C_GEN, _C_STATE, _C_LEN, _C_HOLDER, _C_SEQ = range(5)
 FREE, FILLING, SENT, HELD, RELEASED = range(5)
 #: page tables filled at once: no page fault per 4 kB on the first pass over the region
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+#: a receiver's claims and releases: one at a time in this process (a release may come
+#: from any thread, by garbage collection; two mappings of one region share the queue)
+_RECEIVER_LOCK = threading.Lock()
 _NAME = re.compile(r"evflow-dc-(\d+)-[A-Za-z0-9_.-]+")
 
 
@@ -325,7 +328,7 @@ class _Mapping:
         self._bytes = np.frombuffer(mm, np.uint8)
         self.w = memoryview(mm).cast("Q")
         self.address: int = self._bytes.__array_interface__["data"][0]
-        self.lock = threading.Lock()  # releases may come from any thread (gc)
+        self.lock = _RECEIVER_LOCK
         self.pid = os.getpid()
 
     def slot_gone(self, slot: Slot) -> None:

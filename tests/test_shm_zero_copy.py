@@ -4,6 +4,7 @@ them is held, kill -9 of either side while views are held, forged descriptors.""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -210,6 +211,8 @@ def channels(tmp_path: Path) -> Any:
         rx.close(0)
         ctx.term()
     assert not rings(os.getpid())
+    gc.collect()  # the test's views are gone: so are the mappings (not only the file)
+    assert "evflow-dc-" not in Path("/proc/self/maps").read_text()
 
 
 def _recv(rx: ShmChannel) -> list[Any]:
@@ -229,32 +232,35 @@ def test_forged_descriptors_are_refused_counted_and_harmless(channels: Any) -> N
     slot_gen = held._slot.gen  # type: ignore[union-attr]
     at = held._slot.offset  # type: ignore[union-attr]
     name = region.name
-    forged: list[Any] = [
-        [0, name, at, 1000, slot_gen],  # a replay of the held chunk: not SENT any more
-        [0, name, at, 1000, slot_gen + 1],  # wrong generation
-        [0, name, at, 999, slot_gen],  # wrong length
-        [0, name, at + 64, 1000, slot_gen],  # inside the chunk
-        [0, name, at + 1, 1000, slot_gen],  # unaligned
-        [0, name, 0, 100, 1],  # the header
-        [0, name, 2 * MB - 64, 10**6, 1],  # beyond the end
-        [0, name, 2**64 - 64, 1, 1],  # huge
-        [0, name, -64, 1, 1],  # negative
-        [0, name, "0", 1, 1],  # not an int
-        [0, "../../etc/passwd", 0, 10, 1],  # no path tricks
-        [0, f"{RING_PREFIX}1-other-x", DATA_OFF, 1, 1],  # another session
-        [0, f"{RING_PREFIX}{os.getpid()}-forge-nonexistent", DATA_OFF, 1, 1],
-        [5, name, at, 1000, slot_gen],  # no such frame
-        [0, name],  # bad layout
+    forged: list[tuple[Any, str]] = [
+        ([2, name, at, 1000, slot_gen], "not sent to us"),  # a replay of the held chunk
+        ([2, name, at, 1000, slot_gen + 1], "stale or forged"),  # wrong generation
+        ([2, name, at, 999, slot_gen], "stale or forged"),  # wrong length
+        ([2, name, at + 64, 1000, slot_gen], "stale or forged"),  # inside the chunk
+        ([2, name, at + 1, 1000, slot_gen], "no shared-memory chunk can be"),  # unaligned
+        ([2, name, 0, 100, 1], "no shared-memory chunk can be"),  # the region's header
+        ([2, name, 2 * MB - 64, 10**6, 1], "no shared-memory chunk can be"),  # beyond the end
+        ([2, name, 2**64 - 64, 1, 1], "no shared-memory chunk can be"),  # huge
+        ([2, name, -64, 1, 1], "bad shared-memory descriptor"),  # negative
+        ([2, name, "0", 1, 1], "bad shared-memory descriptor"),  # not an int
+        ([2, "../../etc/passwd", 0, 10, 1], "not one of this session"),  # no path tricks
+        ([2, f"{RING_PREFIX}1-other-x", DATA_OFF, 1, 1], "not one of this session"),
+        ([2, f"{RING_PREFIX}{os.getpid()}-forge-gone", DATA_OFF, 1, 1], "cannot open"),
+        ([5, name, at, 1000, slot_gen], "names frame 5"),  # no such frame
+        ([0, name, at, 1000, slot_gen], "is not empty"),  # in place of the type frame
+        ([2, name], "bad shared-memory marker entry"),  # bad layout
     ]
-    markers = [msgpack.packb([e]) for e in forged]
-    markers += [b"\xc1garbage", msgpack.packb({"a": 1}), msgpack.packb([[0], [0]])]
-    for marker in markers:
+    markers = [(msgpack.packb([e]), why) for e, why in forged]
+    markers += [
+        (b"\xc1garbage", "bad shared-memory marker"),
+        (msgpack.packb({"a": 1}), "not a list"),
+        (msgpack.packb([[2], [2]]), "names frame 2"),  # twice the same frame
+    ]
+    for marker, why in markers:
         tx.socket.send_multipart([marker, b"\x03", b"\x80", b""])
         assert _recv(rx)[0] == b"\x00"  # dropped as an unknown message type
-    # a descriptor in place of a non-empty frame
-    tx.socket.send_multipart([msgpack.packb([[0, name, at, 1000, slot_gen]]), b"\x03", b"x"])
-    assert _recv(rx)[0] == b"\x00"
-    assert rx.shm_bad == len(markers) + 1
+        assert why in rx.shm_last_bad
+    assert rx.shm_bad == len(markers)
     # nothing was released or corrupted by them: the held view is intact and still ours
     assert (held.array() == 5).all() and region.in_use() == 1
     held.release()
@@ -264,11 +270,12 @@ def test_forged_descriptors_are_refused_counted_and_harmless(channels: Any) -> N
     nxt.array()[:] = 6
     tx.send(encode_message(MsgType.EVENTS, None, [nxt]))
     tx.socket.send_multipart(
-        [msgpack.packb([[0, name, at, 1000, slot_gen]]), b"\x03", b"\x80", b""]
+        [msgpack.packb([[2, name, at, 1000, slot_gen]]), b"\x03", b"\x80", b""]
     )
     got = decode_message(_recv(rx)).payload[0]
     assert (np.asarray(got) == 6).all()
-    assert _recv(rx)[0] == b"\x00" and rx.shm_bad == len(markers) + 2
+    assert _recv(rx)[0] == b"\x00" and rx.shm_bad == len(markers) + 1
+    assert "stale or forged" in rx.shm_last_bad
     # and the channel still works both ways
     tx.send(encode_message(MsgType.EVENTS, None, [b"y" * 100_000]))
     assert bytes(decode_message(_recv(rx)).payload[0]) == b"y" * 100_000

@@ -90,6 +90,7 @@ class ShmChannel(Channel):
         self.shm_copied = 0  # large frames sent over ZeroMQ: the region was full
         self.shm_frames_in = 0
         self.shm_bad = 0
+        self.shm_last_bad = ""  # why the last bad message was dropped
 
     # --- sending ---------------------------------------------------------------------
     def _get_region(self) -> ShmRegion | None:
@@ -186,9 +187,15 @@ class ShmChannel(Channel):
             resolved = self._resolve(bytes(marker), rest, views)
         except ProtocolError as exc:
             self.shm_bad += 1
+            self.shm_last_bad = str(exc)
             if self.shm_bad == 1 or self.shm_bad % 1000 == 0:
+                # the text, not the exception: a kept log record must not keep its frames
+                # (and the mappings they name) alive
                 log.warning(
-                    "channel %s: dropped a message (%d so far): %s", self.label, self.shm_bad, exc
+                    "channel %s: dropped a message (%d so far): %s",
+                    self.label,
+                    self.shm_bad,
+                    self.shm_last_bad,
                 )
             return list(_DROPPED)
         return resolved

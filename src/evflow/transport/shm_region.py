@@ -110,10 +110,11 @@ class Slot:
     it exists; CPython frees at refcount zero, so that happens at a known moment.
     """
 
-    __slots__ = ("_owner", "gen", "nbytes", "offset", "readonly", "sent")
+    __slots__ = ("_keep", "_owner", "gen", "nbytes", "offset", "readonly", "sent")
 
     def __init__(self, owner: ShmRegion | _Mapping, offset: int, nbytes: int, gen: int) -> None:
         self._owner: ShmRegion | _Mapping | None = owner
+        self._keep = owner.keep  # the mapping stays while this slot lives (views point in it)
         self.offset = offset
         self.nbytes = nbytes
         self.gen = gen
@@ -135,7 +136,8 @@ class Slot:
     def __del__(self) -> None:
         owner, self._owner = self._owner, None
         if owner is not None:
-            owner.slot_gone(self)
+            with contextlib.suppress(Exception):  # e.g. at interpreter exit
+                owner.slot_gone(self)
 
 
 class _FreeList:
@@ -200,9 +202,9 @@ class ShmRegion:
                 f"cannot make the shared-memory ring {self.path} ({size_b} bytes): {exc.strerror}"
             ) from exc
         os.close(fd)
-        self._bytes = np.frombuffer(mm, np.uint8)
+        self.keep: np.ndarray = np.frombuffer(mm, np.uint8)
         self._w = memoryview(mm).cast("Q")  # u64 words (faster to index than numpy)
-        self.address: int = self._bytes.__array_interface__["data"][0]
+        self.address: int = self.keep.__array_interface__["data"][0]
         self._w[_W_SIZE] = size_b
         self._w[_W_VERSION] = VERSION
         self._w[_W_MAGIC] = MAGIC
@@ -307,16 +309,19 @@ class ShmRegion:
 
     def in_use(self) -> int:
         """Chunks not free (filling, sent, held, or released but not yet taken back)."""
-        self._drain()
+        if not self.closed:
+            self._drain()
         return len(self._live)
 
     def close(self) -> None:
-        """Remove the file; the mapping goes when the last slot of it goes."""
+        """Remove the file and unmap it (at once, or when the last slot of it goes)."""
         if self.closed:
             return
         self.closed = True
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+        self._w.release()
+        del self.keep  # unsent buffers keep their own reference
 
 
 class _Mapping:
@@ -325,9 +330,9 @@ class _Mapping:
     def __init__(self, name: str, mm: mmap.mmap) -> None:
         self.name = name
         self.size_b = len(mm)
-        self._bytes = np.frombuffer(mm, np.uint8)
+        self.keep: np.ndarray = np.frombuffer(mm, np.uint8)
         self.w = memoryview(mm).cast("Q")
-        self.address: int = self._bytes.__array_interface__["data"][0]
+        self.address: int = self.keep.__array_interface__["data"][0]
         self.lock = _RECEIVER_LOCK
         self.pid = os.getpid()
 
@@ -384,9 +389,7 @@ class RegionReader:
             raise ProtocolError("bad shared-memory descriptor: offset, length, generation")
         mapping = self._mapping(name)
         if offset % ALIGN_B or offset < DATA_OFF or offset + ALIGN_B + nbytes > mapping.size_b:
-            raise ProtocolError(
-                f"shared-memory chunk at {offset} (+{nbytes}) lies outside ring {name}"
-            )
+            raise ProtocolError(f"no shared-memory chunk can be at {offset} (+{nbytes}) in {name}")
         w, at = mapping.w, offset // 8
         with mapping.lock:
             if gen == 0 or w[at + _C_GEN] != gen or w[at + _C_LEN] != nbytes:

@@ -301,6 +301,14 @@ def test_views_keep_the_chunk_until_the_last_one_goes(channels: Any) -> None:
     mv.release()
     del mv
     assert region.in_use() == 0  # the last view went
+    # garbage collection is the safety net: a message lost in a reference cycle
+    tx.send(encode_message(MsgType.EVENTS, None, [tx.new_message(1000)]))
+    cycle: list[Any] = [decode_message(_recv(rx)).payload[0]]
+    cycle.append(cycle)
+    del cycle
+    assert region.in_use() == 1
+    gc.collect()
+    assert region.in_use() == 0
     # unsent buffers go back too; a full region gives heap buffers, sent over ZeroMQ
     big = [tx.new_message(700 * KB) for _ in range(3)]
     assert [m.in_region for m in big] == [True, True, False]
@@ -314,3 +322,36 @@ def test_views_keep_the_chunk_until_the_last_one_goes(channels: Any) -> None:
     got = decode_message(_recv(rx)).payload[0]
     assert isinstance(got, InMessage) and not got.in_region and len(got) == 3 * MB
     assert (got.array() == 9).all() and bytes(got)[:2] == b"\t\t"
+
+
+def test_a_failed_send_leaves_the_buffer_to_the_caller(tmp_path: Path) -> None:
+    ctx: zmq.Context[Any] = zmq.Context()
+    addr = f"ipc://{tmp_path}/a"
+    (tx_cfg,) = parse_channel_config(
+        f"name=data,type=push,method=bind,address={addr},transport=shm,shmSize={2 * MB}"
+    )
+    tx = open_channel(ctx, tx_cfg, "again")
+    rx = None
+    try:
+        assert isinstance(tx, ShmChannel)
+        msg = tx.new_message(100 * KB)
+        msg.array()[:] = 3
+        for payload in ([msg], [msg, b"z" * 100_000]):  # no peer yet: zmq.Again
+            with pytest.raises(zmq.Again):
+                tx.send(encode_message(MsgType.EVENTS, None, payload), zmq.NOBLOCK)
+            assert msg.in_region and tx._region is not None
+            assert tx._region.in_use() == 1  # the copied frame's chunk went back
+        (rx_cfg,) = parse_channel_config(
+            f"name=data,type=pull,method=connect,address={addr},transport=shm"
+        )
+        rx = open_channel(ctx, rx_cfg, "again")
+        assert isinstance(rx, ShmChannel)
+        tx.send(encode_message(MsgType.EVENTS, None, [msg]))  # the same buffer, now sent
+        assert rx.poll(5000)
+        got = decode_message(rx.recv()).payload[0]  # the copying recv: bytes
+        assert got == b"\x03" * (100 * KB) and tx._region.in_use() == 0
+    finally:
+        tx.close(0)
+        if rx is not None:
+            rx.close(0)
+        ctx.term()

@@ -131,6 +131,7 @@ class ShmChannel(Channel):
         entries: list[list[Any]] = []
         out: list[Any] = [b""]
         taken: list[tuple[OutMessage, Slot | None, Any]] = []
+        copies: list[Slot] = []  # chunks the frames were copied into
         placed = zero = copied = 0
         try:
             for i, f in enumerate(frames):
@@ -154,6 +155,7 @@ class ShmChannel(Channel):
                     if slot is not None:
                         np.asarray(slot)[:] = np.frombuffer(f, np.uint8)  # the one copy in
                         region.mark_sent(slot)
+                        copies.append(slot)
                         entries.append([i, region.name, slot.offset, size, slot.gen])
                         out.append(b"")
                         placed += 1
@@ -164,6 +166,8 @@ class ShmChannel(Channel):
                 out[0] = msgpack.packb(entries)
             super().send(out, flags)
         except BaseException:
+            for slot in copies:  # not sent: free again when dropped
+                region.unsend(slot)  # type: ignore[union-attr]
             for msg, slot, heap in taken:  # not sent: the caller still owns them
                 if slot is not None and region is not None and slot._owner is region:
                     region.unsend(slot)

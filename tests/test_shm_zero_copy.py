@@ -355,3 +355,35 @@ def test_a_failed_send_leaves_the_buffer_to_the_caller(tmp_path: Path) -> None:
         if rx is not None:
             rx.close(0)
         ctx.term()
+
+
+def test_a_reopened_sender_gets_a_new_region_and_old_views_stay(tmp_path: Path) -> None:
+    ctx: zmq.Context[Any] = zmq.Context()
+    addr = f"ipc://{tmp_path}/o"
+    (tx_cfg,) = parse_channel_config(
+        f"name=data,type=push,method=bind,address={addr},transport=shm,shmSize={2 * MB}"
+    )
+    (rx_cfg,) = parse_channel_config(
+        f"name=data,type=pull,method=connect,address={addr},transport=shm"
+    )
+    rx = open_channel(ctx, rx_cfg, "reopen")
+    senders = []
+    try:
+        got = []
+        for value in (1, 2):  # the same channel, closed and opened again (a reset)
+            tx = open_channel(ctx, tx_cfg, "reopen")
+            senders.append(tx)
+            msg = tx.new_message(1000)
+            msg.array()[:] = value
+            tx.send(encode_message(MsgType.EVENTS, None, [msg]))
+            assert rx.poll(5000)
+            got.append(decode_message(rx.recv(views=True)).payload[0])
+            tx.close(0)
+        assert (np.asarray(got[0]) == 1).all() and (np.asarray(got[1]) == 2).all()
+        assert senders[0]._region.name != senders[1]._region.name  # type: ignore[attr-defined]
+        assert rx.shm_bad == 0 and not rings(os.getpid())
+    finally:
+        for tx in senders:
+            tx.close(0)
+        rx.close(0)
+        ctx.term()

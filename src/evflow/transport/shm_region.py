@@ -1,8 +1,9 @@
 """The shared-memory region of a ``transport = "shm"`` device channel.
 
-A sending channel owns one region, ``/dev/shm/evflow-dc-<pid>-<session>-<channel>``
-(``shmSize`` bytes, reserved with ``posix_fallocate`` up front: a full tmpfs is an
-error at start, never a SIGBUS later). The sender carves *chunks* out of it (first
+A sending channel owns one region,
+``/dev/shm/evflow-dc-<pid>-<session>-<channel>-<nonce>`` (``shmSize`` bytes, reserved
+with ``posix_fallocate`` up front: a full tmpfs is an error at start, never a SIGBUS
+later). The sender carves *chunks* out of it (first
 fit, as the path engine's arena in :mod:`evflow.transport.shm`); the receiver maps it
 and reads the chunks in place. Layout, all words u64 little-endian::
 
@@ -182,7 +183,9 @@ class ShmRegion:
             raise ConfigurationError(f"shmSize of {size_b} bytes is too small (at least 1 MB)")
         size_b -= size_b % 4096  # whole pages
         sweep_stale_rings()
-        self.name = ring_name(session, label)
+        # a new name per region: a receiver that mapped an earlier region of this
+        # channel (reopened after a reset, or a reused pid) never takes one for the other
+        self.name = f"{ring_name(session, label)}-{os.urandom(4).hex()}"
         self.path = os.path.join(SHM_DIR, self.name)
         self.size_b = size_b
         # made under a hidden name and renamed once mapped: a sweeper that removes
@@ -378,6 +381,8 @@ class RegionReader:
         w = mapping.w
         if w[_W_MAGIC] != MAGIC or w[_W_VERSION] != VERSION or w[_W_SIZE] != size:
             raise ProtocolError(f"shared-memory ring {name} has a bad header")
+        for old in [n for n in self._maps if not os.path.exists(os.path.join(SHM_DIR, n))]:
+            del self._maps[old]  # its sender closed it: unmapped when its last view goes
         if len(self._maps) >= 16:  # senders come and go: forget the oldest
             self._maps.pop(next(iter(self._maps)))
         self._maps[name] = mapping

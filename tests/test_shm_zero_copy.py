@@ -247,14 +247,14 @@ def test_forged_descriptors_are_refused_counted_and_harmless(channels: Any) -> N
         ([2, f"{RING_PREFIX}1-other-x", DATA_OFF, 1, 1], "not one of this session"),
         ([2, f"{RING_PREFIX}{os.getpid()}-forge-gone", DATA_OFF, 1, 1], "cannot open"),
         ([5, name, at, 1000, slot_gen], "names frame 5"),  # no such frame
-        ([0, name, at, 1000, slot_gen], "is not empty"),  # in place of the type frame
+        ([4, name, at, 1000, slot_gen], "names frame 4 of 4"),  # beyond the message
         ([2, name], "bad shared-memory marker entry"),  # bad layout
     ]
     markers = [(msgpack.packb([e]), why) for e, why in forged]
     markers += [
         (b"\xc1garbage", "bad shared-memory marker"),
         (msgpack.packb({"a": 1}), "not a list"),
-        (msgpack.packb([[2], [2]]), "names frame 2"),  # twice the same frame
+        (msgpack.packb([[2], [2]]), "names a frame twice"),
     ]
     for marker, why in markers:
         tx.socket.send_multipart([marker, b"\x03", b"\x80", b""])

@@ -141,7 +141,6 @@ class ShmChannel(Channel):
                     if slot is not None and region is not None and slot._owner is region:
                         region.mark_sent(slot)
                         entries.append([i, region.name, slot.offset, slot.nbytes, slot.gen])
-                        out.append(b"")
                         zero += 1
                         continue
                     if slot is None:  # a heap buffer: over ZeroMQ, wrapped on arrival
@@ -157,7 +156,6 @@ class ShmChannel(Channel):
                         region.mark_sent(slot)
                         copies.append(slot)
                         entries.append([i, region.name, slot.offset, size, slot.gen])
-                        out.append(b"")
                         placed += 1
                         continue
                     copied += 1
@@ -205,37 +203,44 @@ class ShmChannel(Channel):
         return resolved
 
     def _resolve(self, marker: bytes, frames: list[Any], views: bool) -> list[Any]:
+        """The message's frames in order: those in the region (not on the socket) put
+        back at their index, in place or copied out."""
         try:
             entries = msgpack.unpackb(marker)
         except Exception as exc:
             raise ProtocolError(f"bad shared-memory marker: {exc}") from None
-        if not isinstance(entries, list) or len(entries) > len(frames):
+        if not isinstance(entries, list):
             raise ProtocolError("bad shared-memory marker: not a list of frame entries")
-        reader = self._reader
-        assert reader is not None
-        seen: set[int] = set()
-        n_in = 0
         for entry in entries:
             if not isinstance(entry, list) or len(entry) not in (1, 5):
                 raise ProtocolError("bad shared-memory marker entry")
-            index = entry[0]
-            if type(index) is not int or not 0 <= index < len(frames) or index in seen:
-                raise ProtocolError(f"shared-memory marker names frame {index!r}")
-            seen.add(index)
-            if len(entry) == 1:  # a heap buffer that came over ZeroMQ
-                if views:
-                    frames[index] = InMessage(len(frames[index]), frame=frames[index])
-                continue
-            if len(frames[index]):
-                raise ProtocolError(f"frame {index} named by the marker is not empty")
-            slot = reader.claim(*entry[1:])
-            if views:
-                frames[index] = InMessage(slot.nbytes, slot)
-            else:
-                frames[index] = np.asarray(slot).tobytes()  # the one copy out
-            n_in += 1
-        self.shm_frames_in += n_in
-        return frames
+        total = len(frames) + sum(len(e) == 5 for e in entries)
+        indices = [e[0] for e in entries]
+        for index in indices:
+            if type(index) is not int or not 0 <= index < total:
+                raise ProtocolError(f"shared-memory marker names frame {index!r} of {total}")
+        if len(set(indices)) != len(indices):
+            raise ProtocolError("shared-memory marker names a frame twice")
+        reader = self._reader
+        assert reader is not None
+        out: list[Any] = [None] * total
+        for entry in entries:
+            if len(entry) == 5:
+                slot = reader.claim(*entry[1:])
+                out[entry[0]] = (
+                    InMessage(slot.nbytes, slot) if views else np.asarray(slot).tobytes()
+                )  # in place, or the one copy out
+        rest = iter(frames)
+        for i, f in enumerate(out):
+            if f is None:
+                out[i] = next(rest)
+        if views:
+            for entry in entries:
+                if len(entry) == 1:  # a heap buffer that came over ZeroMQ
+                    f = out[entry[0]]
+                    out[entry[0]] = InMessage(len(f), frame=f)
+        self.shm_frames_in += total - len(frames)
+        return out
 
     def close(self, linger_ms: int | None = None) -> None:
         super().close(linger_ms)

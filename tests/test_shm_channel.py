@@ -79,7 +79,11 @@ def clean_run(session: str, tmp: Path) -> dict[str, int]:
         assert p.wait(60) == 0 and s.wait(60) == 0
     finally:
         kill(s, p)
-    return json.loads((tmp / "ok.json").read_text())["sink"]
+    stats = json.loads((tmp / "ok.json").read_text())
+    shm = stats["channels"]["data[0]"]["shm"]  # every payload came through the region
+    assert shm["frames_in"] == 200 and shm["bad"] == 0
+    assert stats["channels"]["data[0]"]["bytes_in"] >= 200 * MB
+    return stats["sink"]
 
 
 @pytest.mark.parametrize("victim", ["sender", "receiver", "both"])

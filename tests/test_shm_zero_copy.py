@@ -350,6 +350,13 @@ def test_a_failed_send_leaves_the_buffer_to_the_caller(tmp_path: Path) -> None:
         assert rx.poll(5000)
         got = decode_message(rx.recv()).payload[0]  # the copying recv: bytes
         assert got == b"\x03" * (100 * KB) and tx._region.in_use() == 0
+        # the channel's byte counters include the region's bytes, not only descriptors
+        assert tx.bytes_out > 100 * KB and rx.bytes_in > 100 * KB
+        assert tx.shm_metrics() == {
+            **dict.fromkeys(("frames_in", "bad", "copied", "chunks_in_use", "reclaimed_dead"), 0),
+            "frames_out": 1,
+            "zero_copy": 1,
+        }
     finally:
         tx.close(0)
         if rx is not None:

@@ -132,7 +132,7 @@ class ShmChannel(Channel):
         out: list[Any] = [b""]
         taken: list[tuple[OutMessage, Slot | None, Any]] = []
         copies: list[Slot] = []  # chunks the frames were copied into
-        placed = zero = copied = 0
+        placed = zero = copied = region_b = 0
         try:
             for i, f in enumerate(frames):
                 if type(f) is OutMessage:
@@ -142,6 +142,7 @@ class ShmChannel(Channel):
                         region.mark_sent(slot)
                         entries.append([i, region.name, slot.offset, slot.nbytes, slot.gen])
                         zero += 1
+                        region_b += slot.nbytes
                         continue
                     if slot is None:  # a heap buffer: over ZeroMQ, wrapped on arrival
                         entries.append([i])
@@ -157,6 +158,7 @@ class ShmChannel(Channel):
                         copies.append(slot)
                         entries.append([i, region.name, slot.offset, size, slot.gen])
                         placed += 1
+                        region_b += size
                         continue
                     copied += 1
                 out.append(f)
@@ -174,6 +176,7 @@ class ShmChannel(Channel):
         self.shm_frames_out += placed + zero
         self.shm_zero_copy += zero
         self.shm_copied += copied
+        self.bytes_out += region_b  # the payload, not only the descriptors on the socket
 
     # --- receiving -------------------------------------------------------------------
     def recv(self, flags: int = 0, *, views: bool = False) -> list[Any]:
@@ -224,9 +227,11 @@ class ShmChannel(Channel):
         reader = self._reader
         assert reader is not None
         out: list[Any] = [None] * total
+        region_b = 0
         for entry in entries:
             if len(entry) == 5:
                 slot = reader.claim(*entry[1:])
+                region_b += slot.nbytes
                 out[entry[0]] = (
                     InMessage(slot.nbytes, slot) if views else np.asarray(slot).tobytes()
                 )  # in place, or the one copy out
@@ -240,7 +245,21 @@ class ShmChannel(Channel):
                     f = out[entry[0]]
                     out[entry[0]] = InMessage(len(f), frame=f)
         self.shm_frames_in += total - len(frames)
+        self.bytes_in += region_b
         return out
+
+    def shm_metrics(self) -> dict[str, int]:
+        """The shared-memory counters (in the device's metrics, per channel)."""
+        region = self._region
+        return {
+            "frames_out": self.shm_frames_out,
+            "zero_copy": self.shm_zero_copy,
+            "copied": self.shm_copied,
+            "frames_in": self.shm_frames_in,
+            "bad": self.shm_bad,
+            "chunks_in_use": region.in_use() if region is not None else 0,
+            "reclaimed_dead": region.reclaimed_dead if region is not None else 0,
+        }
 
     def close(self, linger_ms: int | None = None) -> None:
         super().close(linger_ms)

@@ -35,7 +35,7 @@ def _array(slot: Slot | None, frame: Any, dtype: Any, writable: bool) -> np.ndar
             raw.flags.writeable = False
     else:
         raise ValueError("message already released")
-    return raw if np.dtype(dtype) == np.uint8 else raw.view(dtype)
+    return raw if dtype is np.uint8 or np.dtype(dtype) == np.uint8 else raw.view(dtype)
 
 
 class OutMessage:

@@ -113,13 +113,15 @@ class Slot:
 
     __slots__ = ("_keep", "_owner", "gen", "nbytes", "offset", "readonly", "sent")
 
-    def __init__(self, owner: ShmRegion | _Mapping, offset: int, nbytes: int, gen: int) -> None:
+    def __init__(
+        self, owner: ShmRegion | _Mapping, offset: int, nbytes: int, gen: int, readonly: bool
+    ) -> None:
         self._owner: ShmRegion | _Mapping | None = owner
         self._keep = owner.keep  # the mapping stays while this slot lives (views point in it)
         self.offset = offset
         self.nbytes = nbytes
         self.gen = gen
-        self.readonly = isinstance(owner, _Mapping)
+        self.readonly = readonly
         self.sent = False
 
     @property
@@ -244,7 +246,7 @@ class ShmRegion:
         w[at + _C_STATE] = FILLING
         self._live[offset] = size
         self.allocated += 1
-        return Slot(self, offset, nbytes, gen)
+        return Slot(self, offset, nbytes, gen, False)
 
     def mark_sent(self, slot: Slot) -> None:
         """The chunk's descriptor goes out now: it belongs to the receiver."""
@@ -390,14 +392,21 @@ class RegionReader:
 
     def claim(self, name: Any, offset: Any, nbytes: Any, gen: Any) -> Slot:
         """The chunk a descriptor names, now HELD by us (ProtocolError if it is not valid)."""
-        if not all(type(v) is int and v >= 0 for v in (offset, nbytes, gen)):
+        if not (
+            type(offset) is int
+            and type(nbytes) is int
+            and type(gen) is int
+            and offset >= 0
+            and nbytes >= 0
+            and gen > 0
+        ):
             raise ProtocolError("bad shared-memory descriptor: offset, length, generation")
         mapping = self._mapping(name)
         if offset % ALIGN_B or offset < DATA_OFF or offset + ALIGN_B + nbytes > mapping.size_b:
             raise ProtocolError(f"no shared-memory chunk can be at {offset} (+{nbytes}) in {name}")
         w, at = mapping.w, offset // 8
         with mapping.lock:
-            if gen == 0 or w[at + _C_GEN] != gen or w[at + _C_LEN] != nbytes:
+            if w[at + _C_GEN] != gen or w[at + _C_LEN] != nbytes:
                 raise ProtocolError(f"shared-memory chunk at {offset} of {name}: stale or forged")
             if w[at + _C_STATE] != SENT:
                 raise ProtocolError(f"shared-memory chunk at {offset} of {name}: not sent to us")
@@ -406,7 +415,7 @@ class RegionReader:
             seq = w[at + _C_SEQ]
             if seq > w[_W_CLAIMED]:
                 w[_W_CLAIMED] = seq
-        return Slot(mapping, offset, nbytes, gen)
+        return Slot(mapping, offset, nbytes, gen, True)
 
     def close(self) -> None:
         """Forget the mappings; each is unmapped when its last slot goes."""

@@ -71,7 +71,8 @@ FREE, FILLING, SENT, HELD, RELEASED = range(5)
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 #: a receiver's claims and releases: one at a time in this process (a release may come
 #: from any thread, by garbage collection; two mappings of one region share the queue)
-_RECEIVER_LOCK = threading.Lock()
+#: (re-entrant: a garbage collection inside a claim may release another chunk)
+_RECEIVER_LOCK = threading.RLock()
 _NAME = re.compile(r"evflow-dc-(\d+)-[A-Za-z0-9_.-]+")
 
 
@@ -221,10 +222,17 @@ class ShmRegion:
         self.allocated = 0
         self.full = 0  # allocations that did not fit
         self.reclaimed_dead = 0  # chunks taken back from a dead or lost receiver
+        # the free list changes on allocation and when an unsent buffer dies, which may
+        # happen in any thread or inside a garbage collection: one at a time
+        self._lock = threading.RLock()
 
     # --- allocation -------------------------------------------------------------------
     def allocate(self, nbytes: int) -> Slot | None:
         """A chunk for ``nbytes`` of data, state FILLING; None when the region is full."""
+        with self._lock:
+            return self._allocate(nbytes)
+
+    def _allocate(self, nbytes: int) -> Slot | None:
         size = ALIGN_B + max(ALIGN_B, -(-nbytes // ALIGN_B) * ALIGN_B)
         if self.closed or size > self.size_b - DATA_OFF:
             self.full += 1
@@ -263,7 +271,8 @@ class ShmRegion:
 
     def slot_gone(self, slot: Slot) -> None:
         if not slot.sent and not self.closed:  # never sent: ours to take back
-            self._give(slot.offset)
+            with self._lock:
+                self._give(slot.offset)
 
     def _give(self, offset: int) -> None:
         size = self._live.pop(offset, None)
@@ -314,9 +323,10 @@ class ShmRegion:
 
     def in_use(self) -> int:
         """Chunks not free (filling, sent, held, or released but not yet taken back)."""
-        if not self.closed:
-            self._drain()
-        return len(self._live)
+        with self._lock:
+            if not self.closed:
+                self._drain()
+            return len(self._live)
 
     def close(self) -> None:
         """Remove the file and unmap it (at once, or when the last slot of it goes)."""

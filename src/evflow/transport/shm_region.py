@@ -28,7 +28,6 @@ after the file is removed: the pages go when the last view of them goes.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import logging
 import mmap
@@ -40,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from evflow.errors import ConfigurationError, ProtocolError
+from evflow.transport.freelist import FreeList
 
 __all__ = [
     "ALIGN_B",
@@ -144,40 +144,6 @@ class Slot:
                 owner.slot_gone(self)
 
 
-class _FreeList:
-    """First-fit free extents, sorted by offset, joined when given back."""
-
-    def __init__(self, start: int, size: int) -> None:
-        self.starts = [start]
-        self.sizes = [size]
-
-    def take(self, size: int) -> int | None:
-        sizes = self.sizes
-        for i, free in enumerate(sizes):
-            if free >= size:
-                offset = self.starts[i]
-                if free == size:
-                    del self.starts[i], sizes[i]
-                else:
-                    self.starts[i] += size
-                    sizes[i] -= size
-                return offset
-        return None
-
-    def give(self, offset: int, size: int) -> None:
-        starts, sizes = self.starts, self.sizes
-        i = bisect.bisect_left(starts, offset)
-        if i > 0 and starts[i - 1] + sizes[i - 1] == offset:
-            i -= 1
-            sizes[i] += size
-        else:
-            starts.insert(i, offset)
-            sizes.insert(i, size)
-        if i + 1 < len(starts) and starts[i] + sizes[i] == starts[i + 1]:
-            sizes[i] += sizes.pop(i + 1)
-            del starts[i + 1]
-
-
 class ShmRegion:
     """The sender's region: allocates chunks, takes them back when released."""
 
@@ -214,7 +180,7 @@ class ShmRegion:
         self._w[_W_SIZE] = size_b
         self._w[_W_VERSION] = VERSION
         self._w[_W_MAGIC] = MAGIC
-        self._free = _FreeList(DATA_OFF, size_b - DATA_OFF)
+        self._free = FreeList(DATA_OFF, size_b - DATA_OFF)
         self._live: dict[int, int] = {}  # chunk offset -> chunk size (not free)
         self._next_gen = 1
         self._next_seq = 1

@@ -4,7 +4,7 @@ A sending channel owns one region,
 ``/dev/shm/evflow-dc-<pid>-<session>-<channel>-<nonce>`` (``shmSize`` bytes, reserved
 with ``posix_fallocate`` up front: a full tmpfs is an error at start, never a SIGBUS
 later). The sender carves *chunks* out of it (first
-fit, as the path engine's arena in :mod:`evflow.transport.shm`); the receiver maps it
+fit, :mod:`evflow.transport.freelist`, as the path engine's arena); the receiver maps it
 and reads the chunks in place. Layout, all words u64 little-endian::
 
     0     magic, file size, version, release-queue write count (receiver),

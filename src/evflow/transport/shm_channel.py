@@ -31,6 +31,7 @@ into a chunk; ``recv()`` copies it out and releases the chunk at once.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -84,6 +85,7 @@ class ShmChannel(Channel):
         self._session = session
         self._region: ShmRegion | None = None
         self._region_failed = False
+        self._region_lock = threading.Lock()
         self._reader: RegionReader | None = None
         self.shm_frames_out = 0  # frames sent as descriptors (zero-copy or copied in)
         self.shm_zero_copy = 0  # of those, new_message() buffers sent in place
@@ -95,11 +97,13 @@ class ShmChannel(Channel):
     # --- sending ---------------------------------------------------------------------
     def _get_region(self) -> ShmRegion | None:
         if self._region is None and not self._region_failed:
-            try:
-                self._region = ShmRegion(self._session, self.label, self.config.shmSize)
-            except ConfigurationError as exc:  # e.g. /dev/shm full: copy over ZeroMQ
-                self._region_failed = True
-                log.error("channel %s: %s; sending over ZeroMQ instead", self.label, exc)
+            with self._region_lock:  # buffers may be asked for from several threads
+                if self._region is None and not self._region_failed and not self.closed:
+                    try:
+                        self._region = ShmRegion(self._session, self.label, self.config.shmSize)
+                    except ConfigurationError as exc:  # e.g. /dev/shm full: over ZeroMQ
+                        self._region_failed = True
+                        log.error("channel %s: %s; sending over ZeroMQ instead", self.label, exc)
         return self._region
 
     def new_message(self, size: int, wait_s: float = 0.0) -> OutMessage:
@@ -263,7 +267,8 @@ class ShmChannel(Channel):
 
     def close(self, linger_ms: int | None = None) -> None:
         super().close(linger_ms)
-        if self._region is not None:
-            self._region.close()
+        with self._region_lock:
+            if self._region is not None:
+                self._region.close()
         if self._reader is not None:
             self._reader.close()

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
+import mmap
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +28,31 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from evflow.transport.channel import open_channel, parse_channel_config
-from evflow.transport.shm_channel import InMessage
+from evflow.transport.shm_channel import RING_PREFIX, InMessage
 from evflow.wire.messages import MsgType, decode_message, encode_message
+
+
+def rings(pid: int | None = None) -> set[str]:
+    """The device-channel regions in /dev/shm (of ``pid`` if given)."""
+    names = {n for n in os.listdir("/dev/shm") if n.startswith(RING_PREFIX)}
+    return {n for n in names if pid is None or n.startswith(f"{RING_PREFIX}{pid}-")}
+
+
+@contextlib.contextmanager
+def pinned(pid: int) -> Iterator[None]:
+    """Keep ``pid``'s regions mapped here: the test sessions of other worktrees on this
+    host remove new evflow segments that nobody maps when their tests end, and would
+    take a dead owner's region before a test has seen it left behind."""
+    maps = []
+    for name in rings(pid):
+        with open(Path("/dev/shm", name), "rb") as f:
+            maps.append(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ))
+    try:
+        yield
+    finally:
+        for m in maps:
+            m.close()
+
 
 _BASE = np.tile(np.arange(256, dtype=np.uint8), 1 << 14)  # 4 MB
 

@@ -19,13 +19,9 @@ from evflow.errors import ConfigurationError
 from evflow.transport.channel import open_channel, parse_channel_config
 from evflow.transport.shm_channel import RING_PREFIX, ShmChannel, sweep_stale_rings
 from evflow.wire.messages import MsgType, decode_message, encode_message
+from shm_peer import pinned, rings
 
 MB = 1 << 20
-
-
-def rings(pid: int | None = None) -> set[str]:
-    names = {n for n in os.listdir("/dev/shm") if n.startswith(RING_PREFIX)}
-    return {n for n in names if pid is None or n.startswith(f"{RING_PREFIX}{pid}-")}
 
 
 def chan(kind: str, method: str, address: str, extra: str = "") -> str:
@@ -94,14 +90,15 @@ def test_kill_9_leaves_dev_shm_clean_after_the_next_start(tmp_path: Path, victim
     try:
         wait_for(lambda: rings(p.pid))  # the sender's ring is in use
         time.sleep(0.3)
-        if victim in ("sender", "both"):
-            p.send_signal(signal.SIGKILL)
-        if victim in ("receiver", "both"):
-            s.send_signal(signal.SIGKILL)
-        if victim == "receiver":
-            p.send_signal(signal.SIGKILL)  # a sender without receiver would wait for ever
-        kill(s, p)
-        assert rings(p.pid)  # left behind by the dead owner ...
+        with pinned(p.pid):
+            if victim in ("sender", "both"):
+                p.send_signal(signal.SIGKILL)
+            if victim in ("receiver", "both"):
+                s.send_signal(signal.SIGKILL)
+            if victim == "receiver":
+                p.send_signal(signal.SIGKILL)  # a sender without receiver would wait for ever
+            kill(s, p)
+            assert rings(p.pid)  # left behind by the dead owner ...
         got = clean_run(session, tmp_path)
         assert got["received"] == got["announced"] == 200
         assert got["payload_bytes"] == 200 * MB

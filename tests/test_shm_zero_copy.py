@@ -25,16 +25,11 @@ from evflow.transport.channel import open_channel, parse_channel_config
 from evflow.transport.shm_channel import RING_PREFIX, InMessage, ShmChannel
 from evflow.transport.shm_region import DATA_OFF
 from evflow.wire.messages import MsgType, decode_message, encode_message
-from shm_peer import sizes_of
+from shm_peer import pinned, rings, sizes_of
 
 PEER = str(Path(__file__).with_name("shm_peer.py"))
 
 KB, MB = 1 << 10, 1 << 20
-
-
-def rings(pid: int | None = None) -> set[str]:
-    names = {n for n in os.listdir("/dev/shm") if n.startswith(RING_PREFIX)}
-    return {n for n in names if pid is None or n.startswith(f"{RING_PREFIX}{pid}-")}
 
 
 class Pair:
@@ -169,11 +164,12 @@ def test_kill_9_of_both_while_views_are_held(pair: Pair, tmp_path: Path) -> None
     tx = pair.start("send", "s", "--sizes", str(300 * KB), "--shm-size", str(4 * MB))
     rx = pair.start("recv", "r", "--hold", "5", "--delay-ms", "2")
     pair.wait_stats("r", lambda r: r["in_region"] > 10)
-    rx.send_signal(signal.SIGKILL)
-    tx.send_signal(signal.SIGKILL)
-    rx.wait(10)
-    tx.wait(10)
-    assert rings(tx.pid)
+    with pinned(tx.pid):
+        rx.send_signal(signal.SIGKILL)
+        tx.send_signal(signal.SIGKILL)
+        rx.wait(10)
+        tx.wait(10)
+        assert rings(tx.pid)
     _next_start_cleans(pair, tmp_path, tx.pid)
 
 

@@ -1,6 +1,6 @@
 """Trigger-farm figures: event-building rate, framework CPU share of the HLT chain.
 
-    python benchmarks/bench_hlt.py [--quick] [--only build|cpu|replay]
+    python benchmarks/bench_hlt.py [--quick] [--only build|cpu|replay|shm] [--rounds N]
 
 build:  12 inputs (4 sender processes x 3 sources, real sockets) -> FragmentReceiver +
         EventBuilder in this process, for 64 B, 1 kB and 10 kB fragments, batched (256
@@ -16,9 +16,11 @@ cpu:    replay device (4 streams; 1 kHz, 1 kHz sent every 10 ms, or as fast as
         share is taken on the difference of a short and a long run, so the start-up
         (interpreters, imports, forks: ~1 s of CPU) cancels out; "whole run" keeps it.
 replay: ReplayInput at 1, 10, 50 kHz for 5 s each: achieved rate and worst lag.
-shm:    a device channel (push -> pull, two processes) with transport zmq and shm, for
-        100 kB, 1 MB, 10 MB payloads: the sender fills a new buffer per message, the
-        receiver reads every byte; GB/s at the receiver.
+shm:    a device channel (push -> pull, two processes): zmq over ipc, shm with the
+        copying send/recv, shm zero-copy (new_message filled in place, recv(views=True)),
+        alternated, for 100 kB, 1 MB, 10 MB payloads: the sender fills a new buffer per
+        message, the receiver reads every byte; GB/s at the receiver (as FairMQ's
+        figure). ``--only shm --quick`` takes well under a minute.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import zmq
@@ -193,61 +196,133 @@ def bench_replay(quick: bool) -> None:
             )
 
 
-def _shm_child(role: str, transport: str, size: int, n: int, address: str, out: str) -> None:
-    """One end of a device channel: the sender writes every payload, the receiver reads it."""
+def _shm_child(role: str, mode: str, size: int, n: int, address: str, out: str) -> None:
+    """One end of a device channel: the sender writes every payload, the receiver reads it.
+
+    ``mode``: ``zmq`` (transport zmq, ipc), ``shm-copy`` (transport shm, the copying
+    ``send``/``recv``), ``shm-zero`` (transport shm, ``new_message`` filled in place and
+    ``recv(views=True)`` read in place).
+    """
     from evflow.transport.channel import open_channel, parse_channel_config
     from evflow.wire.messages import MsgType, decode_message, encode_message
 
     ctx: zmq.Context[object] = zmq.Context()
     kind, method = ("push", "connect") if role == "send" else ("pull", "bind")
+    transport = "zmq" if mode == "zmq" else "shm"
     (cfg,) = parse_channel_config(
         f"name=data,type={kind},method={method},address={address},transport={transport}"
-        f",sndBufSize=4,rcvBufSize=4,linger=-1,shmSize={max(64 << 20, 8 * size)}"
+        f",sndBufSize=4,rcvBufSize=4,linger=-1,shmSize={max(64 << 20, 16 * size)}"
     )
     ch = open_channel(ctx, cfg, "benchshm")
+    zero = mode == "shm-zero"
+    cpu0 = time.process_time()
     if role == "send":
         for i in range(n):
-            payload = np.empty(size, np.uint8)
-            payload.fill(i & 255)  # written
-            ch.send(encode_message(MsgType.EVENTS, None, [payload.data]))
+            if zero:
+                buf: Any = ch.new_message(size, wait_s=1.0)
+                buf.array().fill(i & 255)  # written in place, in the region
+            else:
+                payload = np.empty(size, np.uint8)
+                payload.fill(i & 255)  # written
+                buf = payload.data
+            ch.send(encode_message(MsgType.EVENTS, None, [buf]))
         # a closing PUSH can lose its last messages (DESIGN.md): wait for the receiver
         deadline = time.monotonic() + 120
         while not os.path.exists(out) and time.monotonic() < deadline:
             time.sleep(0.01)
+        Path(out + ".send").write_text(
+            json.dumps({"cpu_s": time.process_time() - cpu0, **_shm_counters(ch)})
+        )
     else:
         t0 = 0.0
+        bad = 0
         for i in range(n):
             if not ch.poll(20_000):
                 raise SystemExit(f"receiver: only {i} of {n} messages ({ch!r})")
-            msg = decode_message(ch.recv())
+            msg = decode_message(ch.recv(views=True) if zero else ch.recv())
             if i == 0:
                 t0 = time.monotonic()
-            data = np.frombuffer(msg.payload[0], np.uint8)
-            np.bitwise_xor.reduce(data.view(np.uint64))  # read, every byte
+                cpu0 = time.process_time()
+            frame = msg.payload[0]
+            data = np.asarray(frame) if zero else np.frombuffer(frame, np.uint8)
+            words = data[: size - size % 8].view(np.uint64)
+            bad += int(np.bitwise_xor.reduce(words)) != 0  # read, every byte (even: 0)
+            bad += int(data[-1]) != i & 255
+            del data, words
+            if zero:
+                frame.release()
         elapsed = time.monotonic() - t0
-        Path(out).write_text(json.dumps({"gb_per_s": (n - 1) * size / elapsed / 1e9}))
+        Path(out).write_text(
+            json.dumps(
+                {
+                    "gb_per_s": (n - 1) * size / elapsed / 1e9,
+                    "cpu_us_per_msg": (time.process_time() - cpu0) / (n - 1) * 1e6,
+                    "bad": bad,
+                }
+            )
+        )
     ch.close()
     ctx.term()
 
 
-def bench_shm(quick: bool) -> None:
-    print("\ndevice channel, one hop, payload written by the sender and read by the receiver")
-    print(f"{'payload':>8} {'zmq GB/s':>9} {'shm GB/s':>9} {'shm/zmq':>8}")
+def _shm_counters(ch: Any) -> dict[str, int]:
+    return {k: getattr(ch, k, 0) for k in ("shm_frames_out", "shm_zero_copy", "shm_copied")}
+
+
+SHM_MODES = ("zmq", "shm-copy", "shm-zero")
+
+
+def bench_shm(quick: bool, rounds: int = 0) -> None:
+    """The three modes side by side, alternating, ``rounds`` times per size (median)."""
+    rounds = rounds or (1 if quick else 3)
+    print(
+        "\ndevice channel, one hop, payload written by the sender and read by the receiver "
+        f"(GB/s at the receiver, median of {rounds}; CPU us per message, receiver and sender)"
+    )
+    head = "".join(f"{m + ' GB/s':>15}" for m in SHM_MODES)
+    cpu_head = "CPU us/msg: rx zmq / copy / zero, then tx"
+    print(f"{'payload':>8}{head}{'zero/zmq':>10}{'zero/copy':>10}   {cpu_head}")
     for size in (100_000, 1_000_000, 10_000_000):
-        n = max(20, int((300e6 if quick else 2e9) // size))
-        rates = {}
-        for transport in ("zmq", "shm"):
-            with tempfile.TemporaryDirectory(prefix="evflow-bench-shm-") as d:
-                addr, out = f"ipc://{d}/c", os.path.join(d, "r.json")
-                args = [transport, str(size), str(n), addr, out]
-                rx = subprocess.Popen([sys.executable, __file__, "--shm-child", "recv", *args])
-                tx = subprocess.Popen([sys.executable, __file__, "--shm-child", "send", *args])
-                assert rx.wait() == 0 and tx.wait() == 0
-                rates[transport] = json.loads(Path(out).read_text())["gb_per_s"]
+        n = max(20, int((250e6 if quick else 1.5e9) // size))
+        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in SHM_MODES}
+        for r in range(rounds):
+            order = SHM_MODES if r % 2 == 0 else SHM_MODES[::-1]
+            for mode in order:
+                runs[mode].append(_shm_pair(mode, size, n))
+        med = {m: _median([x["gb_per_s"] for x in runs[m]]) for m in SHM_MODES}
+        cpu = {m: _median([x["cpu_us_per_msg"] for x in runs[m]]) for m in SHM_MODES}
+        tx_cpu = {m: _median([x["send"]["cpu_s"] / n * 1e6 for x in runs[m]]) for m in SHM_MODES}
+        cols = "".join(f"{med[m]:>15.2f}" for m in SHM_MODES)
         print(
-            f"{size / 1e6:>6.1f}MB {rates['zmq']:>9.2f} {rates['shm']:>9.2f} "
-            f"{rates['shm'] / rates['zmq']:>7.2f}x"
+            f"{size / 1e6:>6.1f}MB{cols}{med['shm-zero'] / med['zmq']:>9.2f}x"
+            f"{med['shm-zero'] / med['shm-copy']:>9.2f}x   "
+            + " / ".join(f"{cpu[m]:.0f}" for m in SHM_MODES)
+            + "   tx: "
+            + " / ".join(f"{tx_cpu[m]:.0f}" for m in SHM_MODES)
         )
+        zero_tx = runs["shm-zero"][-1]["send"]
+        print(
+            f"{'':>8}  ({n} messages per run; shm-zero sender: {zero_tx['shm_zero_copy']} "
+            f"in place, {zero_tx['shm_copied']} over ZeroMQ for lack of room)"
+        )
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def _shm_pair(mode: str, size: int, n: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="evflow-bench-shm-") as d:
+        addr, out = f"ipc://{d}/c", os.path.join(d, "r.json")
+        args = [mode, str(size), str(n), addr, out]
+        rx = subprocess.Popen([sys.executable, __file__, "--shm-child", "recv", *args])
+        tx = subprocess.Popen([sys.executable, __file__, "--shm-child", "send", *args])
+        assert rx.wait() == 0 and tx.wait() == 0
+        got: dict[str, Any] = json.loads(Path(out).read_text())
+        got["send"] = json.loads(Path(out + ".send").read_text())
+    if got["bad"]:
+        raise SystemExit(f"{mode}: {got['bad']} messages read wrong")
+    return got
 
 
 def main() -> None:
@@ -262,6 +337,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", choices=("build", "cpu", "replay", "shm"))
+    ap.add_argument("--rounds", type=int, default=0, help="shm: alternated rounds per size")
     a = ap.parse_args()
     print(
         f"bench_hlt {time.strftime('%Y-%m-%d %H:%M')} on {os.cpu_count()} cores "
@@ -274,7 +350,7 @@ def main() -> None:
     if a.only in (None, "replay"):
         bench_replay(a.quick)
     if a.only in (None, "shm"):
-        bench_shm(a.quick)
+        bench_shm(a.quick, a.rounds)
 
 
 if __name__ == "__main__":

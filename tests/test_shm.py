@@ -72,9 +72,9 @@ def test_freed_neighbours_merge_into_one_free_extent() -> None:
     try:
         parts = [arena.allocate(1000) for _ in range(3)]
         del parts[0], parts[1]  # the first and the third
-        assert len(arena._starts) == 2
+        assert len(arena._free.starts) == 2
         parts.clear()  # the middle one joins both
-        assert arena._starts == [0] and arena._sizes == [ARENA_B]
+        assert arena._free.starts == [0] and arena._free.sizes == [ARENA_B]
     finally:
         arena.close()
 

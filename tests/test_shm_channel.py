@@ -19,13 +19,9 @@ from evflow.errors import ConfigurationError
 from evflow.transport.channel import open_channel, parse_channel_config
 from evflow.transport.shm_channel import RING_PREFIX, ShmChannel, sweep_stale_rings
 from evflow.wire.messages import MsgType, decode_message, encode_message
+from shm_peer import pinned, rings
 
 MB = 1 << 20
-
-
-def rings(pid: int | None = None) -> set[str]:
-    names = {n for n in os.listdir("/dev/shm") if n.startswith(RING_PREFIX)}
-    return {n for n in names if pid is None or n.startswith(f"{RING_PREFIX}{pid}-")}
 
 
 def chan(kind: str, method: str, address: str, extra: str = "") -> str:
@@ -43,11 +39,12 @@ def sink(session: str, stats: Path) -> subprocess.Popen[bytes]:
     )
 
 
-def sampler(session: str, n: int, size: int = MB) -> subprocess.Popen[bytes]:
+def sampler(session: str, n: int, size: int = MB, zero: bool = False) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [
             *(sys.executable, "-m", "evflow", "device", "sampler", "--id", "sampler"),
             *("--session", session, "--max-iterations", str(n), "--msg-size", str(size)),
+            *("--zero-copy", "true" if zero else "false"),
             *("--severity", "warn", "--ack-timeout-s", "5"),
             *("--channel-config", chan("push", "connect", "ipc://d", f",shmSize={8 * MB}")),
             *("--channel-config", "name=data-ack,type=pull,method=connect,address=ipc://da"),
@@ -70,14 +67,19 @@ def kill(*procs: subprocess.Popen[bytes]) -> None:
 
 
 def clean_run(session: str, tmp: Path) -> dict[str, int]:
-    """A fresh pair (the "next start"): 200 messages of 1 MB through the ring."""
+    """A fresh pair (the "next start"): 200 messages of 1 MB, each written in place in
+    the sender's region (``--zero-copy``) and counted in place by the sink."""
     s = sink(session, tmp / "ok.json")
-    p = sampler(session, 200)
+    p = sampler(session, 200, zero=True)
     try:
         assert p.wait(60) == 0 and s.wait(60) == 0
     finally:
         kill(s, p)
-    return json.loads((tmp / "ok.json").read_text())["sink"]
+    stats = json.loads((tmp / "ok.json").read_text())
+    shm = stats["channels"]["data[0]"]["shm"]  # every payload came through the region
+    assert shm["frames_in"] == 200 and shm["bad"] == 0
+    assert stats["channels"]["data[0]"]["bytes_in"] >= 200 * MB
+    return stats["sink"]
 
 
 @pytest.mark.parametrize("victim", ["sender", "receiver", "both"])
@@ -88,14 +90,15 @@ def test_kill_9_leaves_dev_shm_clean_after_the_next_start(tmp_path: Path, victim
     try:
         wait_for(lambda: rings(p.pid))  # the sender's ring is in use
         time.sleep(0.3)
-        if victim in ("sender", "both"):
-            p.send_signal(signal.SIGKILL)
-        if victim in ("receiver", "both"):
-            s.send_signal(signal.SIGKILL)
-        if victim == "receiver":
-            p.send_signal(signal.SIGKILL)  # a sender without receiver would wait for ever
-        kill(s, p)
-        assert rings(p.pid)  # left behind by the dead owner ...
+        with pinned(p.pid):
+            if victim in ("sender", "both"):
+                p.send_signal(signal.SIGKILL)
+            if victim in ("receiver", "both"):
+                s.send_signal(signal.SIGKILL)
+            if victim == "receiver":
+                p.send_signal(signal.SIGKILL)  # a sender without receiver would wait for ever
+            kill(s, p)
+            assert rings(p.pid)  # left behind by the dead owner ...
         got = clean_run(session, tmp_path)
         assert got["received"] == got["announced"] == 200
         assert got["payload_bytes"] == 200 * MB

@@ -114,22 +114,23 @@ def idle_loop(dev: Device) -> None:
 def data_loop(dev: Device) -> None:
     """Poll the channels that have ``on_data`` handlers and hand each message over."""
     poller = zmq.Poller()
-    targets: dict[Any, tuple[Channel, Handler, BadMessageCounter, Origin]] = {}
+    targets: dict[Any, tuple[Channel, Handler, BadMessageCounter, Origin, bool]] = {}
     for name, handler in dev._handlers.items():
+        views = name in dev._views
         for ch in dev.channel_list(name):
             poller.register(ch.socket, zmq.POLLIN)
-            targets[ch.socket] = (ch, handler, dev.bad_messages[ch.label], Origin(ch))
+            targets[ch.socket] = (ch, handler, dev.bad_messages[ch.label], Origin(ch), views)
     limit = dev.max_iterations
     noblock = zmq.NOBLOCK
     while not dev._loop_stop:
         dev._tick()
         for sock, _ in poller.poll(POLL_INTERVAL_MS):
-            ch, handler, bad, origin = targets[sock]
+            ch, handler, bad, origin, views = targets[sock]
             router = ch.type == "router"
             decode = raw_message if ch.raw else bad.decode  # raw: FairMQ's bare frames
             for _ in range(DRAIN_BATCH):
                 try:
-                    frames = ch.recv(noblock)
+                    frames = ch.recv(noblock, views=True) if views else ch.recv(noblock)
                 except zmq.Again:
                     break
                 if router:

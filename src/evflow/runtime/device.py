@@ -106,6 +106,7 @@ class Device:
         self.channels: dict[str, list[Channel]] = {}
         self.fsm = StateMachine(self.id)
         self._handlers: dict[str, Handler] = {}
+        self._views: set[str] = set()  # on_data(views=True)
         self._requests: queue.SimpleQueue[Transition] = queue.SimpleQueue()
         self._loop_stop = False
         self.shutdown_requested = False
@@ -161,10 +162,19 @@ class Device:
         """Undo ``init``; the channels are closed right after this."""
 
     # --- API for subclasses ------------------------------------------------------------
-    def on_data(self, channel: str, handler: Handler) -> None:
+    def on_data(self, channel: str, handler: Handler, *, views: bool = False) -> None:
         """Call ``handler(message, origin)`` for each message on every sub-channel of
-        ``channel``; a handler returning False stops the RUNNING loop."""
+        ``channel``; a handler returning False stops the RUNNING loop.
+
+        ``views``: on a ``transport=shm`` channel, payload frames that came through
+        shared memory are read in place (``InMessage``, see ``shm_channel``); the
+        region's chunk goes back when the message is released or dropped.
+        """
         self._handlers[channel] = handler
+        if views:
+            self._views.add(channel)
+        else:
+            self._views.discard(channel)
 
     def channel(self, name: str, index: int = 0) -> Channel:
         try:

@@ -29,6 +29,9 @@ def channel_metrics(
             "rcv_hwm": ch.config.rcvBufSize,
             "snd_hwm": ch.config.sndBufSize,
         }
+        shm = getattr(ch, "shm_metrics", None)
+        if shm is not None:  # transport=shm: bytes above include the region's
+            per_channel[ch.label]["shm"] = shm()
         totals["messages_in"] += st.messages_in
         totals["messages_out"] += st.messages_out
         totals["bytes_in"] += st.bytes_in

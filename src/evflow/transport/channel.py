@@ -47,6 +47,7 @@ from evflow.transport.channel_config import (
 from evflow.transport.curve import CurveOptions, CurveSecurity
 from evflow.transport.farmkeys import farm_keys
 from evflow.transport.paths import ipc_listening
+from evflow.transport.shm_message import OutMessage
 
 __all__ = [
     "COPY_THRESHOLD_BYTES",
@@ -128,6 +129,13 @@ class Channel:
     def label(self) -> str:
         return f"{self.name}[{self.index}]"
 
+    def new_message(self, size: int, wait_s: float = 0.0) -> OutMessage:
+        """A buffer of ``size`` bytes to fill and send (in the shared-memory region on a
+        ``transport=shm`` channel, see :mod:`evflow.transport.shm_channel`; here: heap)."""
+        if size < 0:
+            raise ValueError(f"message size {size} is negative")
+        return OutMessage(size)
+
     def send(self, frames: Sequence[Any], flags: int = 0) -> None:
         """Send one multipart message; frames of 64 kB and more go zero-copy."""
         send = self.socket.send
@@ -135,6 +143,8 @@ class Channel:
         more = flags | zmq.SNDMORE
         nbytes = 0
         for i, f in enumerate(frames):
+            if type(f) is OutMessage:
+                f = f.array()  # new_message(): sent without a copy (a heap buffer here)
             size = f.nbytes if type(f) is memoryview else len(f)
             nbytes += size
             # small frames are cheaper to copy than to track (pyzmq's zero-copy path
@@ -143,8 +153,11 @@ class Channel:
         self.messages_out += 1
         self.bytes_out += nbytes
 
-    def recv(self, flags: int = 0) -> list[Any]:
+    def recv(self, flags: int = 0, *, views: bool = False) -> list[Any]:
         """Receive one multipart message as a list of frames.
+
+        ``views`` matters on ``transport=shm`` channels only (payload frames here are
+        ``zmq.Frame`` views already).
 
         The routing identity (ROUTER), the type and the header frames come as bytes
         (cheap for small frames, and what the decoder wants); payload frames come as

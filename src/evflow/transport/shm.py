@@ -30,7 +30,6 @@ tmpfs full) gets ``None`` and travels over ZeroMQ as before.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import mmap
 import os
@@ -42,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from evflow.errors import ConfigurationError, PeerLostError
+from evflow.transport.freelist import FreeList
 from evflow.transport.paths import SHM_PREFIX
 
 __all__ = ["Extent", "ShmArena", "ShmBatch", "ShmEvent", "ShmViews", "segment_prefix"]
@@ -156,42 +156,21 @@ class ShmArena:
         self._gens = np.frombuffer(self._mm, dtype=np.uint64)  # extent headers
         self._next_gen = 1
         self._reserved_b = 0  # bytes backed by tmpfs pages (posix_fallocate)
-        self._starts = [0]  # free extents, sorted by offset ...
-        self._sizes = [size_b]  # ... and their sizes
+        self._free = FreeList(0, size_b)
         self.used_b = 0
         self.full = 0  # batches that did not fit (sent over ZeroMQ instead)
         self.events = 0  # events copied in (a re-send is not counted again)
 
     # --- allocation ---------------------------------------------------------------------
     def _take(self, size: int) -> int | None:
-        sizes = self._sizes
-        for i, free in enumerate(sizes):
-            if free >= size:
-                offset = self._starts[i]
-                if free == size:
-                    del self._starts[i], sizes[i]
-                else:
-                    self._starts[i] += size
-                    sizes[i] -= size
-                return offset
-        return None
+        return self._free.take(size)
 
     def _give(self, offset: int, size: int) -> None:
         if self._view is None:
             return  # closed: nothing to give back to
         self._gens[offset // 8] = 0  # a reader holding a message for it sees it is gone
         self.used_b -= size
-        starts, sizes = self._starts, self._sizes
-        i = bisect.bisect_left(starts, offset)
-        if i > 0 and starts[i - 1] + sizes[i - 1] == offset:  # joins the one before
-            i -= 1
-            sizes[i] += size
-        else:
-            starts.insert(i, offset)
-            sizes.insert(i, size)
-        if i + 1 < len(starts) and starts[i] + sizes[i] == starts[i + 1]:  # and the next
-            sizes[i] += sizes.pop(i + 1)
-            del starts[i + 1]
+        self._free.give(offset, size)
 
     def _reserve(self, end: int) -> bool:
         if end <= self._reserved_b:

@@ -27,6 +27,9 @@ class Sampler(Device):
     msg_size = Param(int, 1000, "payload bytes per message")
     channel_name = Param(str, "data", "output channel")
     ack_timeout_s = Param(float, 10.0, "how long to wait for the END acknowledgement (s)")
+    zero_copy = Param(
+        bool, False, "write each message into a new buffer from channel.new_message (shm: in place)"
+    )
 
     def init_task(self) -> None:
         if self.msg_size < 0:
@@ -40,6 +43,7 @@ class Sampler(Device):
         self._out = self.channel(self.channel_name)
         # raw framing: the payload alone, as a FairMQ sampler sends it
         self._frames = outgoing(self._out, MsgType.EVENTS, None, (payload,))
+        self._payload = memoryview(payload)
         self.sent = 0
         self.acked = 0
 
@@ -49,7 +53,12 @@ class Sampler(Device):
 
     def conditional_run(self) -> bool:
         # waits for a peer, but not past a stop request (a sink that never came)
-        if not send_when_ready(self, self._out, self._frames):
+        frames = self._frames
+        if self.zero_copy:  # a new buffer per message, filled in place, sent without a copy
+            msg = self._out.new_message(self.msg_size, wait_s=self.ack_timeout_s)
+            msg.data[:] = self._payload
+            frames = outgoing(self._out, MsgType.EVENTS, None, (msg,))
+        if not send_when_ready(self, self._out, frames):
             return False
         self.sent += 1
         return True

@@ -38,7 +38,8 @@ class Sink(EndTracker, Device):
         self._cpu_last = 0.0
         self._needed = self.inputs or len(self.channel_list(self.channel_name))
         self._needed -= len(self.lost_peers)
-        self.on_data(self.channel_name, self._handle)
+        # shm: payloads counted in place, the region's chunk released with the message
+        self.on_data(self.channel_name, self._handle, views=True)
 
     def _handle(self, msg: Message, origin: Origin) -> bool:
         if msg.type is MsgType.EVENTS:

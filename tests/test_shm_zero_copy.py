@@ -1,0 +1,427 @@
+"""Zero-copy shm device channels with real processes (tests/shm_peer.py): every byte of
+every message checked, chunks reused under a slow receiver but never while a view of
+them is held, kill -9 of either side while views are held, forged descriptors."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from evflow.transport.channel import open_channel, parse_channel_config
+from evflow.transport.shm_channel import RING_PREFIX, InMessage, ShmChannel
+from evflow.transport.shm_region import DATA_OFF
+from evflow.wire.messages import MsgType, decode_message, encode_message
+from shm_peer import pinned, rings, sizes_of
+
+PEER = str(Path(__file__).with_name("shm_peer.py"))
+
+KB, MB = 1 << 10, 1 << 20
+
+
+class Pair:
+    """Sender and receiver processes of one session, their stats files."""
+
+    def __init__(self, tmp: Path, session: str) -> None:
+        self.tmp, self.session = tmp, session
+        self.address = f"ipc://{tmp}/c"
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, role: str, name: str, *args: str) -> subprocess.Popen[bytes]:
+        p = subprocess.Popen(
+            [
+                *(sys.executable, PEER, role, "--session", self.session),
+                *("--address", self.address, "--stats", str(self.tmp / f"{name}.json")),
+                *("--done", str(self.tmp / "done")),
+                *args,
+            ]
+        )
+        self.procs.append(p)
+        return p
+
+    def stats(self, name: str) -> dict[str, int]:
+        path = self.tmp / f"{name}.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def wait_stats(self, name: str, cond: Any, timeout_s: float = 60.0) -> dict[str, int]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            got = self.stats(name)
+            if got and cond(got):
+                return got
+            assert time.monotonic() < deadline, f"timed out; {name}: {got}"
+            time.sleep(0.05)
+
+    def kill_all(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+            p.wait(10)
+
+
+@pytest.fixture
+def pair(tmp_path: Path, request: pytest.FixtureRequest) -> Any:
+    p = Pair(tmp_path, re.sub(r"[^A-Za-z0-9]", "", request.node.name)[-24:])
+    try:
+        yield p
+    finally:
+        p.kill_all()
+
+
+def finish(pair: Pair, timeout_s: float = 120.0) -> None:
+    for p in pair.procs:
+        assert p.wait(timeout_s) == 0
+
+
+def test_mixed_sizes_and_apis_arrive_intact_in_order(pair: Pair) -> None:
+    n = 1500
+    sizes = "0,1,7,100,4000,40000,250000,1000000,3000000"
+    pair.start("recv", "r", "--count", str(n), "--views", "mixed", "--hold", "3")
+    tx = pair.start(
+        "send", "s", "--count", str(n), "--mode", "mixed", "--sizes", sizes,
+        "--shm-size", str(16 * MB),
+    )  # fmt: skip
+    finish(pair)
+    r, s = pair.stats("r"), pair.stats("s")
+    assert r["received"] == s["sent"] == n
+    assert r["bad"] == r["gaps"] == r["held_bad"] == 0
+    assert r["held_ok"] == r["in_region"] + r["over_zmq"] > 0
+    in_place = sum(len(sizes_of(i, [int(x) for x in sizes.split(",")])) for i in range(n) if i % 3)
+    assert s["zero_copy"] + s["heap"] == in_place  # new_message() for 2 messages in 3
+    assert s["zero_copy"] > in_place / 4  # most in the region (the rest: it was full)
+    assert s["frames_out"] > s["zero_copy"]  # and the copying send used the region too
+    assert not rings(tx.pid)
+
+
+@pytest.mark.parametrize("full", ["fallback", "backpressure"])
+def test_slow_receiver_holding_views_never_sees_its_chunks_reused(pair: Pair, full: str) -> None:
+    """A 2 MB region, 200 kB messages, the receiver keeps the views of the last 6 and
+    sleeps: the region fills; chunks are reused many times, never one still held."""
+    n = 300
+    pair.start("recv", "r", "--count", str(n), "--hold", "6", "--delay-ms", "3")
+    wait = ["--wait-s", "10"] if full == "backpressure" else []
+    pair.start(
+        "send", "s", "--count", str(n), "--sizes", str(200 * KB), "--shm-size", str(2 * MB),
+        "--sndhwm", "4", *wait,
+    )  # fmt: skip
+    finish(pair)
+    r, s = pair.stats("r"), pair.stats("s")
+    assert r["received"] == n and r["bad"] == r["gaps"] == 0
+    frames = r["in_region"] + r["over_zmq"]
+    assert frames == n + n // 4  # every 4th message has two frames
+    assert r["held_ok"] == frames and r["held_bad"] == 0  # re-checked just before release
+    capacity = (2 * MB - DATA_OFF) // (200 * KB + 128)
+    assert capacity < 10
+    if full == "fallback":  # over ZeroMQ when full: no wait, no loss
+        assert s["copied"] > 0 and r["over_zmq"] == s["copied"]
+        assert s["zero_copy"] > 2 * capacity  # chunks used again and again
+    else:  # the sender waited for room: everything in place
+        assert s["copied"] == 0 and s["zero_copy"] == frames == r["in_region"]
+
+
+def test_kill_9_of_either_side_while_views_are_held(pair: Pair, tmp_path: Path) -> None:
+    """The receiver dies holding every chunk: the sender takes them back and a new
+    receiver reads in place again. Then the sender dies while that receiver holds
+    views: they stay readable and intact; the next start removes the dead region."""
+    common = ["--sizes", str(256 * KB), "--shm-size", str(4 * MB)]
+    tx = pair.start("send", "s", *common, "--sndhwm", "8")  # for ever
+    rx1 = pair.start("recv", "r1", "--hold", "100000")  # holds every view
+    pair.wait_stats("r1", lambda r: r["over_zmq"] > 20)  # region full of held chunks
+    in_region_1 = pair.stats("r1")["in_region"]
+    assert 0 < in_region_1 <= 4 * MB // (128 * KB)  # the region, all held
+    rx1.send_signal(signal.SIGKILL)
+    rx1.wait(10)
+    stop = tmp_path / "stop"
+    rx2 = pair.start("recv", "r2", "--hold", "10", "--check-after", str(stop))
+    r2 = pair.wait_stats("r2", lambda r: r["in_region"] > 30)  # chunks of the dead reused
+    assert r2["bad"] == 0
+    assert pair.wait_stats("s", lambda s: s["reclaimed_dead"] > 0)["reclaimed_dead"] <= 64
+    tx.send_signal(signal.SIGKILL)
+    tx.wait(10)
+    assert rings(tx.pid)  # the dead sender's region, still mapped by rx2
+    time.sleep(0.3)
+    stop.touch()  # rx2 re-checks the views it holds of the dead sender's region
+    assert rx2.wait(30) == 0
+    r2 = pair.stats("r2")
+    assert r2["bad"] == r2["held_bad"] == 0 and r2["held_ok"] >= r2["in_region"] > 30
+    _next_start_cleans(pair, tmp_path, tx.pid)
+
+
+def test_kill_9_of_both_while_views_are_held(pair: Pair, tmp_path: Path) -> None:
+    tx = pair.start("send", "s", "--sizes", str(300 * KB), "--shm-size", str(4 * MB))
+    rx = pair.start("recv", "r", "--hold", "5", "--delay-ms", "2")
+    pair.wait_stats("r", lambda r: r["in_region"] > 10)
+    with pinned(tx.pid):
+        rx.send_signal(signal.SIGKILL)
+        tx.send_signal(signal.SIGKILL)
+        rx.wait(10)
+        tx.wait(10)
+        assert rings(tx.pid)
+    _next_start_cleans(pair, tmp_path, tx.pid)
+
+
+def _next_start_cleans(pair: Pair, tmp_path: Path, dead_pid: int) -> None:
+    nxt = Pair(tmp_path / "next", pair.session)
+    (tmp_path / "next").mkdir()
+    try:
+        nxt.start("recv", "r", "--count", "50")
+        tx = nxt.start("send", "s", "--count", "50", "--sizes", "100000")
+        finish(nxt)
+        assert nxt.stats("r")["received"] == 50 and nxt.stats("r")["bad"] == 0
+        assert not rings(dead_pid)  # removed by the next start
+        assert not rings(tx.pid)  # and the new pair left nothing either
+    finally:
+        nxt.kill_all()
+
+
+# --- forged descriptors (in one process: the test writes the raw frames) ---------------
+@pytest.fixture
+def channels(tmp_path: Path) -> Any:
+    ctx: zmq.Context[Any] = zmq.Context()
+    addr = f"ipc://{tmp_path}/f"
+    (tx_cfg,) = parse_channel_config(
+        f"name=data,type=push,method=bind,address={addr},transport=shm,shmSize={2 * MB}"
+    )
+    (rx_cfg,) = parse_channel_config(
+        f"name=data,type=pull,method=connect,address={addr},transport=shm"
+    )
+    tx = open_channel(ctx, tx_cfg, "forge")
+    rx = open_channel(ctx, rx_cfg, "forge")
+    assert isinstance(tx, ShmChannel) and isinstance(rx, ShmChannel)
+    try:
+        yield tx, rx
+    finally:
+        tx.close(0)
+        rx.close(0)
+        ctx.term()
+    assert not rings(os.getpid())
+    gc.collect()  # the test's views are gone: so are the mappings (not only the file)
+    assert "evflow-dc-" not in Path("/proc/self/maps").read_text()
+
+
+def _recv(rx: ShmChannel) -> list[Any]:
+    assert rx.poll(5000)
+    return rx.recv(views=True)
+
+
+def test_forged_descriptors_are_refused_counted_and_harmless(channels: Any) -> None:
+    tx, rx = channels
+    msg = tx.new_message(1000)
+    msg.array()[:] = 5
+    tx.send(encode_message(MsgType.EVENTS, None, [msg]))
+    held = decode_message(_recv(rx)).payload[0]
+    assert isinstance(held, InMessage) and held.in_region
+    region = tx._region
+    assert region is not None
+    slot_gen = held._slot.gen  # type: ignore[union-attr]
+    at = held._slot.offset  # type: ignore[union-attr]
+    name = region.name
+    forged: list[tuple[Any, str]] = [
+        ([2, name, at, 1000, slot_gen], "not sent to us"),  # a replay of the held chunk
+        ([2, name, at, 1000, slot_gen + 1], "stale or forged"),  # wrong generation
+        ([2, name, at, 999, slot_gen], "stale or forged"),  # wrong length
+        ([2, name, at + 64, 1000, slot_gen], "stale or forged"),  # inside the chunk
+        ([2, name, at + 1, 1000, slot_gen], "no shared-memory chunk can be"),  # unaligned
+        ([2, name, 0, 100, 1], "no shared-memory chunk can be"),  # the region's header
+        ([2, name, 2 * MB - 64, 10**6, 1], "no shared-memory chunk can be"),  # beyond the end
+        ([2, name, 2**64 - 64, 1, 1], "no shared-memory chunk can be"),  # huge
+        ([2, name, -64, 1, 1], "bad shared-memory descriptor"),  # negative
+        ([2, name, "0", 1, 1], "bad shared-memory descriptor"),  # not an int
+        ([2, "../../etc/passwd", 0, 10, 1], "not one of this session"),  # no path tricks
+        ([2, f"{RING_PREFIX}1-other-x", DATA_OFF, 1, 1], "not one of this session"),
+        ([2, f"{RING_PREFIX}{os.getpid()}-forge-gone", DATA_OFF, 1, 1], "cannot open"),
+        ([5, name, at, 1000, slot_gen], "names frame 5"),  # no such frame
+        ([4, name, at, 1000, slot_gen], "names frame 4 of 4"),  # beyond the message
+        ([2, name], "bad shared-memory marker entry"),  # bad layout
+    ]
+    markers = [(msgpack.packb([e]), why) for e, why in forged]
+    markers += [
+        (b"\xc1garbage", "bad shared-memory marker"),
+        (msgpack.packb({"a": 1}), "not a list"),
+        (msgpack.packb([[2], [2]]), "names a frame twice"),
+    ]
+    for marker, why in markers:
+        tx.socket.send_multipart([marker, b"\x03", b"\x80", b""])
+        assert _recv(rx)[0] == b"\x00"  # dropped as an unknown message type
+        assert why in rx.shm_last_bad
+    assert rx.shm_bad == len(markers)
+    # nothing was released or corrupted by them: the held view is intact and still ours
+    assert (held.array() == 5).all() and region.in_use() == 1
+    held.release()
+    assert region.in_use() == 0
+    # a stale descriptor (the chunk was released, then reused by the next message)
+    nxt = tx.new_message(1000)
+    nxt.array()[:] = 6
+    tx.send(encode_message(MsgType.EVENTS, None, [nxt]))
+    tx.socket.send_multipart(
+        [msgpack.packb([[2, name, at, 1000, slot_gen]]), b"\x03", b"\x80", b""]
+    )
+    got = decode_message(_recv(rx)).payload[0]
+    assert (np.asarray(got) == 6).all()
+    assert _recv(rx)[0] == b"\x00" and rx.shm_bad == len(markers) + 1
+    assert "stale or forged" in rx.shm_last_bad
+    # and the channel still works both ways
+    tx.send(encode_message(MsgType.EVENTS, None, [b"y" * 100_000]))
+    assert bytes(decode_message(_recv(rx)).payload[0]) == b"y" * 100_000
+
+
+def test_views_keep_the_chunk_until_the_last_one_goes(channels: Any) -> None:
+    tx, rx = channels
+    msg = tx.new_message(64 * KB)
+    msg.array(np.float64)[:] = 1.5
+    tx.send(encode_message(MsgType.EVENTS, None, [msg]))
+    with pytest.raises(ValueError, match="already sent"):
+        tx.send(encode_message(MsgType.EVENTS, None, [msg]))
+    region = tx._region
+    with decode_message(_recv(rx)).payload[0] as got:
+        view = got.array(np.float64)[10:20]
+        mv = got.data
+        assert not view.flags.writeable and mv.readonly
+    with pytest.raises(ValueError, match="released"):
+        got.array()
+    assert region.in_use() == 1  # released, but two views are alive
+    del view
+    assert region.in_use() == 1
+    mv.release()
+    del mv
+    assert region.in_use() == 0  # the last view went
+    # garbage collection is the safety net: a message lost in a reference cycle
+    tx.send(encode_message(MsgType.EVENTS, None, [tx.new_message(1000)]))
+    cycle: list[Any] = [decode_message(_recv(rx)).payload[0]]
+    cycle.append(cycle)
+    del cycle
+    assert region.in_use() == 1
+    gc.collect()
+    assert region.in_use() == 0
+    # unsent buffers go back too; a full region gives heap buffers, sent over ZeroMQ
+    big = [tx.new_message(700 * KB) for _ in range(3)]
+    assert [m.in_region for m in big] == [True, True, False]
+    assert tx.shm_copied == 1
+    del big
+    assert region.in_use() == 0
+    heap = tx.new_message(3 * MB)
+    assert not heap.in_region
+    heap.array()[:] = 9
+    tx.send(encode_message(MsgType.EVENTS, None, [heap]))
+    got = decode_message(_recv(rx)).payload[0]
+    assert isinstance(got, InMessage) and not got.in_region and len(got) == 3 * MB
+    assert (got.array() == 9).all() and bytes(got)[:2] == b"\t\t"
+
+
+def test_a_failed_send_leaves_the_buffer_to_the_caller(tmp_path: Path) -> None:
+    ctx: zmq.Context[Any] = zmq.Context()
+    addr = f"ipc://{tmp_path}/a"
+    (tx_cfg,) = parse_channel_config(
+        f"name=data,type=push,method=bind,address={addr},transport=shm,shmSize={2 * MB}"
+    )
+    tx = open_channel(ctx, tx_cfg, "again")
+    rx = None
+    try:
+        assert isinstance(tx, ShmChannel)
+        msg = tx.new_message(100 * KB)
+        msg.array()[:] = 3
+        for payload in ([msg], [msg, b"z" * 100_000]):  # no peer yet: zmq.Again
+            with pytest.raises(zmq.Again):
+                tx.send(encode_message(MsgType.EVENTS, None, payload), zmq.NOBLOCK)
+            assert msg.in_region and tx._region is not None
+            assert tx._region.in_use() == 1  # the copied frame's chunk went back
+        (rx_cfg,) = parse_channel_config(
+            f"name=data,type=pull,method=connect,address={addr},transport=shm"
+        )
+        rx = open_channel(ctx, rx_cfg, "again")
+        assert isinstance(rx, ShmChannel)
+        tx.send(encode_message(MsgType.EVENTS, None, [msg]))  # the same buffer, now sent
+        assert rx.poll(5000)
+        got = decode_message(rx.recv()).payload[0]  # the copying recv: bytes
+        assert got == b"\x03" * (100 * KB) and tx._region.in_use() == 0
+        # the channel's byte counters include the region's bytes, not only descriptors
+        assert tx.bytes_out > 100 * KB and rx.bytes_in > 100 * KB
+        assert tx.shm_metrics() == {
+            **dict.fromkeys(("frames_in", "bad", "copied", "chunks_in_use", "reclaimed_dead"), 0),
+            "frames_out": 1,
+            "zero_copy": 1,
+        }
+    finally:
+        tx.close(0)
+        if rx is not None:
+            rx.close(0)
+        ctx.term()
+
+
+def test_a_reopened_sender_gets_a_new_region_and_old_views_stay(tmp_path: Path) -> None:
+    ctx: zmq.Context[Any] = zmq.Context()
+    addr = f"ipc://{tmp_path}/o"
+    (tx_cfg,) = parse_channel_config(
+        f"name=data,type=push,method=bind,address={addr},transport=shm,shmSize={2 * MB}"
+    )
+    (rx_cfg,) = parse_channel_config(
+        f"name=data,type=pull,method=connect,address={addr},transport=shm"
+    )
+    rx = open_channel(ctx, rx_cfg, "reopen")
+    senders = []
+    try:
+        got = []
+        for value in (1, 2):  # the same channel, closed and opened again (a reset)
+            tx = open_channel(ctx, tx_cfg, "reopen")
+            senders.append(tx)
+            msg = tx.new_message(1000)
+            msg.array()[:] = value
+            tx.send(encode_message(MsgType.EVENTS, None, [msg]))
+            assert rx.poll(5000)
+            got.append(decode_message(rx.recv(views=True)).payload[0])
+            tx.close(0)
+        assert (np.asarray(got[0]) == 1).all() and (np.asarray(got[1]) == 2).all()
+        assert senders[0]._region.name != senders[1]._region.name  # type: ignore[attr-defined]
+        assert rx.shm_bad == 0 and not rings(os.getpid())
+    finally:
+        for tx in senders:
+            tx.close(0)
+        rx.close(0)
+        ctx.term()
+
+
+def test_buffers_dropped_in_another_thread_do_not_corrupt_the_region(channels: Any) -> None:
+    """A thread takes and drops unsent buffers while this one sends and checks: the
+    free list stays whole (every chunk back at the end, no chunk given out twice)."""
+    tx, rx = channels
+    stop = threading.Event()
+    churned = [0]
+
+    def churn() -> None:
+        while not stop.is_set():
+            held = [tx.new_message(n) for n in (100, 5000, 64 * KB)]
+            for m in held:
+                if m.in_region:
+                    m.array()[:] = 0xEE  # written by its owner only
+            del held
+            churned[0] += 1
+
+    t = threading.Thread(target=churn)
+    t.start()
+    try:
+        for i in range(400):
+            msg = tx.new_message(20 * KB + i, wait_s=5)
+            msg.array()[:] = i % 251
+            tx.send(encode_message(MsgType.EVENTS, {"i": i}, [msg]))
+            with decode_message(_recv(rx)).payload[0] as got:
+                assert (got.array() == i % 251).all(), i
+    finally:
+        stop.set()
+        t.join(10)
+    assert churned[0] > 0 and rx.shm_bad == 0
+    region = tx._region
+    assert region.in_use() == 0
+    assert region._free.starts == [DATA_OFF] and region._free.sizes == [region.size_b - DATA_OFF]

@@ -101,12 +101,18 @@ class JoinFragments(Module):
     def event(self, store: DataStore) -> bool | None:
         if store["hlt_state"] != 0:
             return False if self.drop_incomplete else None
-        keys = sorted((k for k in store if k.startswith("frag_")), key=lambda k: int(k[5:]))
-        objects = join_fragments(0, {i: memoryview(store[k]) for i, k in enumerate(keys)})
-        for k in keys:
-            del store[k]
-        store.objects.update(objects)
+        objects = store.objects  # one dict, edited in place (the store's own)
+        keys = sorted((k for k in objects if k.startswith("frag_")), key=_source_id)
+        data = b"".join([objects.pop(k) for k in keys])
+        try:
+            objects.update(decode_event(unpack_frames(data)).objects)
+        except CodecError:
+            pass  # not the replayed event's bytes: the pieces are gone, as join_fragments
         return None
+
+
+def _source_id(key: str) -> int:
+    return int(key[5:])
 
 
 class Timeline:

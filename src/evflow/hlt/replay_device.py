@@ -34,6 +34,9 @@ __all__ = ["ReplayDevice"]
 
 log = logging.getLogger("evflow.hlt")
 
+#: ``tick_ms = -1``: a tick of about this many events at the asked rate (1 to 50 ms)
+AUTO_TICK_EVENTS = 32
+
 
 class ReplayDevice(Device):
     description = "replays a record/ROOT file at a set rate, whole or as N fragment streams"
@@ -48,7 +51,11 @@ class ReplayDevice(Device):
     builder = Param(str, "", "event builder address (with streams > 0)")
     max_batch = Param(int, 256, "events sent together at most")
     tick_ms = Param(
-        float, 0.0, "send what is due at most every this many ms (batching; 0: at once)"
+        float,
+        -1.0,
+        "send what is due at most every this many ms (several events per message, each "
+        "keeps its due time; 0: every event when due; -1: auto, about 32 events per "
+        "message, every 1 to 50 ms)",
     )
     channel_name = Param(str, "data", "output channel for whole events")
     ack_timeout_s = Param(float, 10.0, "how long to wait for END acknowledgements (s)")
@@ -74,6 +81,11 @@ class ReplayDevice(Device):
             ]
         self.sent = 0
         self.report = ReplayReport(rate_hz=self.event_rate)
+        self._tick_s = self.tick_ms / 1e3
+        if self.tick_ms < 0 and self.event_rate:  # auto: each message costs every process
+            self._tick_s = min(max(AUTO_TICK_EVENTS / self.event_rate, 0.001), 0.05)
+        elif self.tick_ms < 0:
+            self._tick_s = 0.0
 
     def pre_run(self) -> None:
         # the timeline starts when the builder is ready (it sends the first credits once
@@ -96,9 +108,13 @@ class ReplayDevice(Device):
             n = min(n, self._limit - k)
         if n <= 0:
             # next due event, or (batching) the next tick: events keep their due times,
-            # so the rate over the run is the same; they travel several to a message
-            wait_s = max(tl.due(k) - time.monotonic(), self.tick_ms / 1e3 if k else 0.0)
-            time.sleep(min(max(wait_s, 0.0), 0.005 + self.tick_ms / 1e3))
+            # so the rate over the run is the same; they travel several to a message.
+            # The last event goes when due, not at the next tick after it.
+            now, tick = time.monotonic(), self._tick_s
+            wake = max(tl.due(k), now + (tick if k else 0.0))
+            if self._limit:
+                wake = min(wake, max(tl.due(self._limit - 1), tl.due(k)))
+            time.sleep(min(max(wake - now, 0.0), 0.005 + tick))
             return True
         ids = np.arange(k, k + n, dtype=np.int64)
         if self._senders:

@@ -19,6 +19,7 @@ middle, a truncated or foreign ROOT file and a missing file are one ``InputError
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -104,10 +105,9 @@ class JoinFragments(Module):
         objects = store.objects  # one dict, edited in place (the store's own)
         keys = sorted((k for k in objects if k.startswith("frag_")), key=_source_id)
         data = b"".join([objects.pop(k) for k in keys])
-        try:
+        # bytes that are not a replayed event: the pieces are gone, as in join_fragments
+        with contextlib.suppress(CodecError):
             objects.update(decode_event(unpack_frames(data)).objects)
-        except CodecError:
-            pass  # not the replayed event's bytes: the pieces are gone, as join_fragments
         return None
 
 

@@ -28,6 +28,7 @@ import json
 import mmap
 import os
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -217,14 +218,22 @@ def _role(name: str, pid: int, child: int) -> str:
 def _chain_cpu(workers: int, n: int, rate: float, tick_ms: float) -> dict[str, Any]:
     """One run; the window is the events between 20 % and 90 % of the work done,
     sampled while it runs: every process's CPU and the work's own CPU in it."""
-    with tempfile.TemporaryDirectory(prefix="evflow-bench-hlt-") as d:
+    # (not "evflow-*": test clean-ups of other runs on this machine may remove those)
+    with tempfile.TemporaryDirectory(prefix="benchhlt-") as d:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         args = [str(workers), str(n), str(rate), str(tick_ms), d]
-        child = subprocess.Popen([sys.executable, __file__, "--cpu-child", *args])
+        child = subprocess.Popen(
+            [sys.executable, __file__, "--cpu-child", *args], start_new_session=True
+        )
         first: tuple[int, int, dict[int, tuple[str, int]]] | None = None
         seen: dict[tuple[int, int], int] = {}
         last = first
+        deadline = time.monotonic() + 60 + n * 0.01
         while child.poll() is None:
+            if time.monotonic() > deadline:  # a hung run: none of its processes stays
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+                raise SystemExit(f"cpu run ({workers} workers, {rate} Hz) did not end")
             time.sleep(0.05)
             calls, work = _read_meters(d)
             if calls < 0.2 * n or calls > 0.9 * n:

@@ -130,8 +130,10 @@ def _read_meters(d: str) -> tuple[int, int]:
     """(calls, work ns) over every process's meter file."""
     calls = ns = 0
     for f in Path(d).glob("work-*.bin"):
-        c, n = np.frombuffer(f.read_bytes(), np.int64)
-        calls, ns = calls + int(c), ns + int(n)
+        raw = f.read_bytes()
+        if len(raw) == 16:  # (a file just made may be empty for a moment)
+            c, n = np.frombuffer(raw, np.int64)
+            calls, ns = calls + int(c), ns + int(n)
     return calls, ns
 
 
@@ -229,20 +231,21 @@ def _chain_cpu(workers: int, n: int, rate: float, tick_ms: float) -> dict[str, A
         seen: dict[tuple[int, int], int] = {}
         last = first
         deadline = time.monotonic() + 60 + n * 0.01
-        while child.poll() is None:
-            if time.monotonic() > deadline:  # a hung run: none of its processes stays
+        try:
+            while child.poll() is None:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"cpu run ({workers} workers, {rate} Hz) did not end")
+                time.sleep(0.05)
+                calls, work = _read_meters(d)
+                if calls < 0.2 * n or calls > 0.9 * n:
+                    continue
+                sample = (calls, work, _tree_cpu(child.pid, seen))
+                first = first or sample
+                last = sample
+        finally:
+            if child.poll() is None:  # we failed or it hung: none of its processes stays
                 os.killpg(child.pid, signal.SIGKILL)
                 child.wait()
-                raise SystemExit(f"cpu run ({workers} workers, {rate} Hz) did not end")
-            time.sleep(0.05)
-            calls, work = _read_meters(d)
-            if calls < 0.2 * n or calls > 0.9 * n:
-                continue
-            sample = (calls, work, _tree_cpu(child.pid, seen))
-            if os.environ.get("BENCH_DEBUG"):
-                print(calls, work, sample[2], file=sys.stderr)
-            first = first or sample
-            last = sample
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         assert child.returncode == 0
         total = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)

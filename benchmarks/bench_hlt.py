@@ -1,6 +1,6 @@
 """Trigger-farm figures: event-building rate, framework CPU share of the HLT chain.
 
-    python benchmarks/bench_hlt.py [--quick] [--only build|cpu|replay]
+    python benchmarks/bench_hlt.py [--quick] [--only build|cpu|replay|shm]
 
 build:  12 inputs (4 sender processes x 3 sources, real sockets) -> FragmentReceiver +
         EventBuilder in this process, for 64 B, 1 kB and 10 kB fragments, batched (256
@@ -8,13 +8,18 @@ build:  12 inputs (4 sender processes x 3 sources, real sockets) -> FragmentRece
         (the senders share the 2 cores); "builder CPU/event" is this process's CPU
         time per built event (receive, build, free), so "builder-bound rate" = 1 / it
         is what one core of building alone would sustain.
-cpu:    replay device (4 streams; 1 kHz, 1 kHz sent every 10 ms, or as fast as
-        possible) -> EventBuilderInput -> JoinFragments -> BusyWork(1 ms) ->
-        RecordOutput, sequential and with 2 workers. Every process is a descendant of a
-        child process, so ``RUSAGE_CHILDREN`` of its parent counts them all; the work is
-        exactly BusyWork's CPU time (1 ms per event), the rest is the framework. The
-        share is taken on the difference of a short and a long run, so the start-up
-        (interpreters, imports, forks: ~1 s of CPU) cancels out; "whole run" keeps it.
+cpu:    replay device (4 streams; 1 kHz in ticks of ~32 events (auto) or one event
+        at a time, or as fast as possible) -> EventBuilderInput (the pieces joined as
+        bytes there, merge=join_fragments, or by JoinFragments in the workers) ->
+        MeteredWork (BusyWork, 1 ms of CPU) -> RecordOutput, sequential and with 2
+        workers. While the run goes, every process of it (replay device, path process
+        or input, workers, output, zygote; all their threads, zmq's included) is
+        sampled from /proc/PID/task/TID/schedstat (ns on a CPU), and the work's own CPU
+        from the module's meter (thread CPU inside event()). The framework share is
+        (all CPU - work CPU) / all CPU over the window from 20 % to 90 % of the events
+        (steady state: start-up and drain left out); "whole run" is the same from
+        RUSAGE_CHILDREN over everything, start-up included. Per process: framework
+        us per event (the workers' and the sequential path's minus the work).
 replay: ReplayInput at 1, 10, 50 kHz for 5 s each: achieved rate and worst lag.
 shm:    a device channel (push -> pull, two processes) with transport zmq and shm, for
         100 kB, 1 MB, 10 MB payloads: the sender fills a new buffer per message, the
@@ -174,11 +179,13 @@ def _tree_cpu(root: int, seen: dict[tuple[int, int], int]) -> dict[int, tuple[st
     return out
 
 
-def _cpu_chain(workers: int, n_events: int, rate: float, tick_ms: float, out_dir: str) -> None:
+def _cpu_chain(
+    workers: int, n_events: int, rate: float, tick_ms: float, out_dir: str, join: str
+) -> None:
     """Runs in a child: replay device -> builder source -> 1 ms/event path -> output."""
     import evflow
     from evflow.hlt.builder_device import EventBuilderInput
-    from evflow.hlt.replay import JoinFragments
+    from evflow.hlt.replay import JoinFragments, join_fragments
     from evflow.io import RecordOutput, RecordWriter, ToyGenerator
     from evflow.wire.codec import encode_event
 
@@ -197,14 +204,14 @@ def _cpu_chain(workers: int, n_events: int, rate: float, tick_ms: float, out_dir
         ]
     )
     stats = os.path.join(out_dir, "builder.json")
-    path = evflow.Path(
-        [
-            EventBuilderInput(address=address, sources="4", timeout_s=2.0, stats_file=stats),
-            JoinFragments(),
-            MeteredWork(work_ms=1.0, meter_dir=out_dir),
-            RecordOutput(file=os.path.join(out_dir, "out.evr"), fsync=False),
-        ]
-    )
+    cfg = {"address": address, "sources": "4", "timeout_s": 2.0, "stats_file": stats}
+    if join == "builder":  # the pieces joined as bytes in the builder, decoded on demand
+        modules: list[Any] = [EventBuilderInput(merge=join_fragments, **cfg)]
+    else:  # the pieces decoded and joined by a module in the workers
+        modules = [EventBuilderInput(**cfg), JoinFragments()]
+    modules.append(MeteredWork(work_ms=1.0, meter_dir=out_dir))
+    modules.append(RecordOutput(file=os.path.join(out_dir, "out.evr"), fsync=False))
+    path = evflow.Path(modules)
     s = evflow.process(path, workers=workers, quiet=True)
     replay.wait()
     calls = sum(m.calls for m in s.modules if m.module == "MeteredWork")
@@ -217,13 +224,13 @@ def _role(name: str, pid: int, child: int) -> str:
     return "replay" if name.startswith("python") else name.split(".")[0].rstrip("-0123456789")
 
 
-def _chain_cpu(workers: int, n: int, rate: float, tick_ms: float) -> dict[str, Any]:
+def _chain_cpu(workers: int, n: int, rate: float, tick_ms: float, join: str) -> dict[str, Any]:
     """One run; the window is the events between 20 % and 90 % of the work done,
     sampled while it runs: every process's CPU and the work's own CPU in it."""
     # (not "evflow-*": test clean-ups of other runs on this machine may remove those)
     with tempfile.TemporaryDirectory(prefix="benchhlt-") as d:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        args = [str(workers), str(n), str(rate), str(tick_ms), d]
+        args = [str(workers), str(n), str(rate), str(tick_ms), d, join]
         child = subprocess.Popen(
             [sys.executable, __file__, "--cpu-child", *args], start_new_session=True
         )
@@ -272,7 +279,13 @@ def _chain_cpu(workers: int, n: int, rate: float, tick_ms: float) -> dict[str, A
     }
 
 
-CPU_CASES = ((1000.0, -1.0), (1000.0, 0.0), (0.0, 0.0))
+# (rate Hz, replay tick ms (-1 auto), where the pieces are joined)
+CPU_CASES = (
+    (1000.0, -1.0, "builder"),
+    (1000.0, -1.0, "workers"),
+    (1000.0, 0.0, "builder"),
+    (0.0, 0.0, "builder"),
+)
 
 
 def bench_cpu(quick: bool) -> None:
@@ -283,12 +296,12 @@ def bench_cpu(quick: bool) -> None:
         f"window (20-90 %); us per event by process (work: the module's own CPU)"
     )
     print(
-        f"{'workers':>8} {'rate':>9} {'tick':>6} {'CPU/event':>10} {'framework':>10} "
-        f"{'whole run':>10} {'replay Hz':>10}  framework us/event by process"
+        f"{'workers':>8} {'rate':>9} {'tick':>6} {'join in':>8} {'CPU/event':>10} "
+        f"{'framework':>10} {'whole run':>10} {'replay Hz':>10}  framework us/event by process"
     )
     for workers in (0, 2):
-        for rate, tick in CPU_CASES:
-            r = _chain_cpu(workers, n, rate, tick)
+        for rate, tick, join in CPU_CASES:
+            r = _chain_cpu(workers, n, rate, tick, join)
             label = f"{rate:.0f} Hz" if rate else "max"
             tick_label = "auto" if tick < 0 else f"{tick:.0f}ms"
             roles = dict(r["roles"])
@@ -297,7 +310,7 @@ def bench_cpu(quick: bool) -> None:
             roles[key] = roles.get(key, 0.0) - r["work_us"]
             parts = " ".join(f"{k} {v:.0f}" for k, v in sorted(roles.items()))
             print(
-                f"{workers:>8} {label:>9} {tick_label:>6} "
+                f"{workers:>8} {label:>9} {tick_label:>6} {join:>8} "
                 f"{r['cpu_us'] / 1e3:>8.3f}ms {r['framework']:>9.1%} "
                 f"{r['whole']:>9.1%} {r['replay_hz']:>10,.0f}  {parts}"
             )
@@ -390,7 +403,7 @@ def main() -> None:
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--cpu-child":
         a = sys.argv
-        _cpu_chain(int(a[2]), int(a[3]), float(a[4]), float(a[5]), a[6])
+        _cpu_chain(int(a[2]), int(a[3]), float(a[4]), float(a[5]), a[6], a[7])
         return
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")

@@ -207,6 +207,35 @@ def test_encoded_events_are_the_codec_bytes_of_the_stores(size: int) -> None:
         assert [[bytes(f) for f in fr] for fr in frames] == want
 
 
+def test_joined_events_are_the_codec_bytes_of_the_merged_stores() -> None:
+    """merge=join_fragments on the fast path: the replayed event's header reused."""
+    from evflow.hlt.built import joined_from_batch
+    from evflow.hlt.replay import encoded, join_fragments, split_event
+    from evflow.io import ToyGenerator
+
+    events = list(ToyGenerator(n_events=12, payload_bytes=700).events())
+    pieces = [split_event(blob, 3) for blob in encoded(events)]
+    pieces[5][1] = memoryview(b"garbage")  # complete, but not an event: no objects
+    b, _ = builder(3, timeout_s=100)
+    for src in (0, 2, 1):
+        ids = range(12) if src != 1 else range(10)  # 10 and 11 miss source 1
+        frs = [pieces[i][src] for i in ids]
+        lens = np.array([len(f) for f in frs], np.int64)
+        b.add(
+            FragmentBatch(src, np.array(ids, np.int64), lens, np.cumsum(lens) - lens, b"".join(frs))
+        )
+    b.end_source(1)
+    b.poll()
+    batches = b.take_built()
+    stores = [s for bb in batches for s in stores_from_batch(bb, join_fragments, 1, 2)]
+    joined = [f for bb in batches for f in joined_from_batch(bb, 1, 2)[1]]
+    assert [[bytes(f) for f in fr] for fr in joined] == [
+        [bytes(f) for f in encode_event(s)] for s in stores
+    ]
+    assert stores[3]["payload"].tobytes() == events[3]["payload"].tobytes()
+    assert "payload" not in stores[5] and stores[11]["hlt_missing"].tolist() == [1]
+
+
 def test_merge_function() -> None:
     b, _ = builder(2)
     b.add(batch(0, [1]))

@@ -27,9 +27,16 @@ from typing import Any
 import zmq
 
 from evflow.errors import ConfigurationError
-from evflow.hlt.built import Merge, encode_built, encoded_from_batch, stores_from_batch
+from evflow.hlt.built import (
+    Merge,
+    encode_built,
+    encoded_from_batch,
+    joined_from_batch,
+    stores_from_batch,
+)
 from evflow.hlt.eventbuilder import BuilderConfig, BuiltBatch, EventBuilder
 from evflow.hlt.links import FragmentReceiver
+from evflow.hlt.replay import join_fragments
 from evflow.params import Param
 from evflow.processing.datastore import DataStore
 from evflow.processing.module import Source
@@ -189,6 +196,8 @@ class EventBuilderInput(_Params, Source):
                     t_first = time.monotonic()
                 if self.merge is None:
                     u, f = encoded_from_batch(batch, exp, run)
+                elif self.merge is join_fragments:  # replayed events: joined as bytes
+                    u, f = joined_from_batch(batch, exp, run)
                 else:
                     stores = list(stores_from_batch(batch, self.merge, exp, run))
                     u, f = [s.meta.uid for s in stores], [encode_event(s) for s in stores]

@@ -16,10 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgpack
 import numpy as np
 
-from evflow.errors import ProtocolError
+from evflow.errors import CodecError, ProtocolError
 from evflow.hlt.eventbuilder import BuildState, BuiltBatch
+from evflow.hlt.replay import join_fragments
 from evflow.processing.datastore import DataStore, EventMeta
 from evflow.wire._arrays import dtype_str
 from evflow.wire._header import (
@@ -31,10 +33,17 @@ from evflow.wire._header import (
     T_VALUE,
     packb,
 )
-from evflow.wire.codec import encode_event
+from evflow.wire.codec import decode_event, encode_event, unpack_frames
 from evflow.wire.messages import Message, MsgType, encode_message
 
-__all__ = ["Merge", "decode_built", "encode_built", "encoded_from_batch", "stores_from_batch"]
+__all__ = [
+    "Merge",
+    "decode_built",
+    "encode_built",
+    "encoded_from_batch",
+    "joined_from_batch",
+    "stores_from_batch",
+]
 
 Merge = Callable[[int, dict[int, memoryview]], dict[str, Any]]
 FORMAT = 1
@@ -118,6 +127,42 @@ def encoded_from_batch(
         frags = batch.fragments(i)
         gone = batch.missing_sources(i) if miss else []
         out.append(encode_event(_store(uid, frags, states[i], gone, None, experiment, run)))
+    return uids, out
+
+
+def joined_from_batch(
+    batch: BuiltBatch, experiment: int = 0, run: int = 0
+) -> tuple[list[int], list[list[Any]]]:
+    """:func:`encoded_from_batch` for ``merge=join_fragments`` (replayed events): a
+    complete event's pieces joined are the replayed event's own bytes, so its header
+    entries are taken as they are (parsed, never re-encoded from objects) plus
+    ``hlt_state`` and ``hlt_missing``, under the builder's meta. A worker that does not
+    open the event never decodes it. The event is still decoded once here, so bytes
+    that are not an event are treated as ``join_fragments`` treats them."""
+    uids = batch.ids.tolist()
+    states = batch.states.tolist()
+    misses = batch.missing.tolist()
+    pack_meta = META.pack
+    none_missing = ("hlt_missing", T_ARRAY, _U4, (0,), b"")
+    out: list[list[Any]] = []
+    for i, uid in enumerate(uids):
+        frags = batch.fragments(i)
+        if not misses[i]:
+            data = b"".join([frags[s] for s in sorted(frags)])
+            try:
+                frames = unpack_frames(data)
+                decode_event(frames)  # the check join_fragments makes
+            except CodecError:
+                frames = []
+            if len(frames) == 1:  # (an event with buffer frames goes the long way)
+                head = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
+                entries = [*head[3], ("hlt_state", T_VALUE, states[i]), none_missing]
+                meta = pack_meta(uid, experiment, run, uid, _M0.flags, _M0.attempt)
+                out.append([packb((CODEC_VERSION, KIND_EVENT, meta, entries))])
+                continue
+        gone = batch.missing_sources(i) if misses[i] else []
+        store = _store(uid, frags, states[i], gone, join_fragments, experiment, run)
+        out.append(encode_event(store))
     return uids, out
 
 

@@ -8,13 +8,18 @@ build:  12 inputs (4 sender processes x 3 sources, real sockets) -> FragmentRece
         (the senders share the 2 cores); "builder CPU/event" is this process's CPU
         time per built event (receive, build, free), so "builder-bound rate" = 1 / it
         is what one core of building alone would sustain.
-cpu:    replay device (4 streams; 1 kHz, 1 kHz sent every 10 ms, or as fast as
-        possible) -> EventBuilderInput -> JoinFragments -> BusyWork(1 ms) ->
-        RecordOutput, sequential and with 2 workers. Every process is a descendant of a
-        child process, so ``RUSAGE_CHILDREN`` of its parent counts them all; the work is
-        exactly BusyWork's CPU time (1 ms per event), the rest is the framework. The
-        share is taken on the difference of a short and a long run, so the start-up
-        (interpreters, imports, forks: ~1 s of CPU) cancels out; "whole run" keeps it.
+cpu:    replay device (4 streams; 1 kHz in ticks of ~32 events (auto) or one event
+        at a time, or as fast as possible) -> EventBuilderInput (the pieces joined as
+        bytes there, merge=join_fragments, or by JoinFragments in the workers) ->
+        MeteredWork (BusyWork, 1 ms of CPU) -> RecordOutput, sequential and with 2
+        workers. While the run goes, every process of it (replay device, path process
+        or input, workers, output, zygote; all their threads, zmq's included) is
+        sampled from /proc/PID/task/TID/schedstat (ns on a CPU), and the work's own CPU
+        from the module's meter (thread CPU inside event()). The framework share is
+        (all CPU - work CPU) / all CPU over the window from 20 % to 90 % of the events
+        (steady state: start-up and drain left out); "whole run" is the same from
+        RUSAGE_CHILDREN over everything, start-up included. Per process: framework
+        us per event (the workers' and the sequential path's minus the work).
 replay: ReplayInput at 1, 10, 50 kHz for 5 s each: achieved rate and worst lag.
 shm:    a device channel (push -> pull, two processes): zmq over ipc, shm with the
         copying send/recv, shm zero-copy (new_message filled in place, recv(views=True)),
@@ -27,8 +32,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -41,6 +48,8 @@ import zmq
 
 from evflow.hlt.eventbuilder import BuilderConfig, EventBuilder
 from evflow.hlt.links import FragmentReceiver
+from evflow.io.generators import BusyWork, burn_cpu
+from evflow.processing.datastore import DataStore
 
 GROUPS = [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
 
@@ -98,12 +107,88 @@ def bench_build(quick: bool) -> None:
             )
 
 
-def _cpu_chain(workers: int, n_events: int, rate: float, tick_ms: float, out_dir: str) -> None:
+class MeteredWork(BusyWork):
+    """``BusyWork`` that counts its calls and the CPU it burnt (this thread's, in ns) in
+    a small file per process, which the benchmark reads while the run goes on."""
+
+    def __init__(self, name: str | None = None, meter_dir: str = "", **params: object) -> None:
+        super().__init__(name, **params)
+        self.meter_dir = meter_dir
+        self._meter: Any = None
+
+    def initialize(self) -> None:
+        f = os.path.join(self.meter_dir, f"work-{os.getpid()}.bin")
+        with open(f, "wb") as fh:
+            fh.write(bytes(16))
+        with open(f, "r+b") as fh:
+            self._map = mmap.mmap(fh.fileno(), 16)
+        self._meter = memoryview(self._map).cast("q")
+
+    def event(self, store: DataStore) -> bool | None:
+        t0 = time.thread_time_ns()
+        burn_cpu(self.work_ms)
+        m = self._meter
+        m[1] += time.thread_time_ns() - t0
+        m[0] += 1
+        return None
+
+
+def _read_meters(d: str) -> tuple[int, int]:
+    """(calls, work ns) over every process's meter file."""
+    calls = ns = 0
+    for f in Path(d).glob("work-*.bin"):
+        raw = f.read_bytes()
+        if len(raw) == 16:  # (a file just made may be empty for a moment)
+            c, n = np.frombuffer(raw, np.int64)
+            calls, ns = calls + int(c), ns + int(n)
+    return calls, ns
+
+
+def _tree_cpu(root: int, seen: dict[tuple[int, int], int]) -> dict[int, tuple[str, int]]:
+    """pid -> (name, CPU ns of all its threads) for ``root`` and its descendants.
+
+    From ``/proc/PID/task/TID/schedstat`` (time on a CPU, ns): the zmq I/O threads count.
+    ``seen`` keeps every thread's last figure, so a thread that ended still counts (up to
+    its last sample).
+    """
+    parent: dict[int, int] = {}
+    for st in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = st.read_text()
+        except OSError:
+            continue
+        parent[int(st.parent.name)] = int(text[text.rindex(")") + 2 :].split()[1])
+    tree, todo = {root}, [root]
+    kids: dict[int, list[int]] = {}
+    for pid, pp in parent.items():
+        kids.setdefault(pp, []).append(pid)
+    while todo:
+        for k in kids.get(todo.pop(), []):
+            tree.add(k)
+            todo.append(k)
+    names = {}
+    for pid in tree:
+        try:
+            names[pid] = Path(f"/proc/{pid}/comm").read_text().strip()
+            for t in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+                seen[pid, int(t.parent.name)] = int(t.read_text().split()[0])
+        except (OSError, ValueError):
+            continue
+    out: dict[int, tuple[str, int]] = {}
+    for (pid, _), ns in seen.items():
+        name = names.get(pid) or out.get(pid, ("?", 0))[0]
+        out[pid] = (name, out.get(pid, (name, 0))[1] + ns)
+    return out
+
+
+def _cpu_chain(
+    workers: int, n_events: int, rate: float, tick_ms: float, out_dir: str, join: str
+) -> None:
     """Runs in a child: replay device -> builder source -> 1 ms/event path -> output."""
     import evflow
     from evflow.hlt.builder_device import EventBuilderInput
-    from evflow.hlt.replay import JoinFragments
-    from evflow.io import BusyWork, RecordOutput, RecordWriter, ToyGenerator
+    from evflow.hlt.replay import JoinFragments, join_fragments
+    from evflow.io import RecordOutput, RecordWriter, ToyGenerator
     from evflow.wire.codec import encode_event
 
     rec = os.path.join(out_dir, "toy.evr")
@@ -121,55 +206,115 @@ def _cpu_chain(workers: int, n_events: int, rate: float, tick_ms: float, out_dir
         ]
     )
     stats = os.path.join(out_dir, "builder.json")
-    path = evflow.Path(
-        [
-            EventBuilderInput(address=address, sources="4", timeout_s=2.0, stats_file=stats),
-            JoinFragments(),
-            BusyWork(work_ms=1.0),
-            RecordOutput(file=os.path.join(out_dir, "out.evr"), fsync=False),
-        ]
-    )
+    cfg = {"address": address, "sources": "4", "timeout_s": 2.0, "stats_file": stats}
+    if join == "builder":  # the pieces joined as bytes in the builder, decoded on demand
+        modules: list[Any] = [EventBuilderInput(merge=join_fragments, **cfg)]
+    else:  # the pieces decoded and joined by a module in the workers
+        modules = [EventBuilderInput(**cfg), JoinFragments()]
+    modules.append(MeteredWork(work_ms=1.0, meter_dir=out_dir))
+    modules.append(RecordOutput(file=os.path.join(out_dir, "out.evr"), fsync=False))
+    path = evflow.Path(modules)
     s = evflow.process(path, workers=workers, quiet=True)
     replay.wait()
-    calls = sum(m.calls for m in s.modules if m.module == "BusyWork")
+    calls = sum(m.calls for m in s.modules if m.module == "MeteredWork")
     Path(out_dir, "chain.json").write_text(json.dumps({"busy_calls": calls, "wall_s": s.wall_s}))
 
 
-def _chain_cpu(workers: int, n: int, rate: float, tick_ms: float) -> tuple[float, float, dict]:
-    with tempfile.TemporaryDirectory(prefix="evflow-bench-hlt-") as d:
+def _role(name: str, pid: int, child: int) -> str:
+    if pid == child:
+        return "path" if name.startswith("python") else name
+    return "replay" if name.startswith("python") else name.split(".")[0].rstrip("-0123456789")
+
+
+def _chain_cpu(workers: int, n: int, rate: float, tick_ms: float, join: str) -> dict[str, Any]:
+    """One run; the window is the events between 20 % and 90 % of the work done,
+    sampled while it runs: every process's CPU and the work's own CPU in it."""
+    # (not "evflow-*": test clean-ups of other runs on this machine may remove those)
+    with tempfile.TemporaryDirectory(prefix="benchhlt-") as d:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        args = [str(workers), str(n), str(rate), str(tick_ms), d]
-        code = subprocess.call([sys.executable, __file__, "--cpu-child", *args])
+        args = [str(workers), str(n), str(rate), str(tick_ms), d, join]
+        child = subprocess.Popen(
+            [sys.executable, __file__, "--cpu-child", *args], start_new_session=True
+        )
+        first: tuple[int, int, dict[int, tuple[str, int]]] | None = None
+        seen: dict[tuple[int, int], int] = {}
+        last = first
+        deadline = time.monotonic() + 60 + n * 0.01
+        try:
+            while child.poll() is None:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"cpu run ({workers} workers, {rate} Hz) did not end")
+                time.sleep(0.05)
+                calls, work = _read_meters(d)
+                if calls < 0.2 * n or calls > 0.9 * n:
+                    continue
+                sample = (calls, work, _tree_cpu(child.pid, seen))
+                first = first or sample
+                last = sample
+        finally:
+            if child.poll() is None:  # we failed or it hung: none of its processes stays
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        assert code == 0
+        assert child.returncode == 0
         total = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-        work = json.loads(Path(d, "chain.json").read_text())["busy_calls"] * 1e-3
+        work_all = _read_meters(d)[1] / 1e9
         rep = json.loads(Path(d, "replay.json").read_text())["replay"]
         assert json.loads(Path(d, "builder.json").read_text())["complete"] == n
-    return total, work, rep
+    assert first is not None and last is not None and last[0] > first[0], "no window sampled"
+    events = last[0] - first[0]
+    roles: dict[str, float] = {}
+    for pid, (name, ns) in last[2].items():
+        start = first[2].get(pid, (name, 0))[1]
+        role = _role(name, pid, child.pid)
+        roles[role] = roles.get(role, 0.0) + (ns - start) / 1e3 / events
+    cpu_us = sum(roles.values())
+    work_us = (last[1] - first[1]) / 1e3 / events
+    return {
+        "events": events,
+        "cpu_us": cpu_us,
+        "framework": (cpu_us - work_us) / cpu_us,
+        "roles": roles,
+        "work_us": work_us,
+        "whole": (total - work_all) / total,
+        "replay_hz": rep["achieved_hz"],
+    }
+
+
+# (rate Hz, replay tick ms (-1 auto), where the pieces are joined)
+CPU_CASES = (
+    (1000.0, -1.0, "builder"),
+    (1000.0, -1.0, "workers"),
+    (1000.0, 0.0, "builder"),
+    (0.0, 0.0, "builder"),
+)
 
 
 def bench_cpu(quick: bool) -> None:
-    """Steady state: the difference of a short and a long run (start-up cancels out)."""
-    n1, n2 = (1000, 3000) if quick else (2000, 8000)
+    """Steady state: a window of the run (20-90 % of the events), every process counted."""
+    n = 2500 if quick else 8000
     print(
-        f"\nframework CPU share, 1 ms CPU per event in the path; marginal over "
-        f"{n2 - n1} events (runs of {n1} and {n2})"
+        f"\nframework CPU share, 1 ms CPU per event in the path; {n} events, steady-state "
+        f"window (20-90 %); us per event by process (work: the module's own CPU)"
     )
     print(
-        f"{'workers':>8} {'rate':>9} {'tick':>6} {'CPU/event':>10} {'framework':>10} "
-        f"{'whole run':>10} {'replay Hz':>10}"
+        f"{'workers':>8} {'rate':>9} {'tick':>6} {'join in':>8} {'CPU/event':>10} "
+        f"{'framework':>10} {'whole run':>10} {'replay Hz':>10}  framework us/event by process"
     )
     for workers in (0, 2):
-        for rate, tick in ((1000.0, 0.0), (1000.0, 10.0), (0.0, 0.0)):
-            t1, w1, _ = _chain_cpu(workers, n1, rate, tick)
-            t2, w2, rep = _chain_cpu(workers, n2, rate, tick)
-            d_total, d_work = t2 - t1, w2 - w1
+        for rate, tick, join in CPU_CASES:
+            r = _chain_cpu(workers, n, rate, tick, join)
             label = f"{rate:.0f} Hz" if rate else "max"
+            tick_label = "auto" if tick < 0 else f"{tick:.0f}ms"
+            roles = dict(r["roles"])
+            # the work's CPU is in the path process (sequential) or in the workers
+            key = "path" if workers == 0 else "worker"
+            roles[key] = roles.get(key, 0.0) - r["work_us"]
+            parts = " ".join(f"{k} {v:.0f}" for k, v in sorted(roles.items()))
             print(
-                f"{workers:>8} {label:>9} {tick:>4.0f}ms "
-                f"{d_total / (n2 - n1) * 1e3:>8.3f}ms {(d_total - d_work) / d_total:>9.1%} "
-                f"{(t2 - w2) / t2:>9.1%} {rep['achieved_hz']:>10,.0f}"
+                f"{workers:>8} {label:>9} {tick_label:>6} {join:>8} "
+                f"{r['cpu_us'] / 1e3:>8.3f}ms {r['framework']:>9.1%} "
+                f"{r['whole']:>9.1%} {r['replay_hz']:>10,.0f}  {parts}"
             )
 
 
@@ -332,7 +477,7 @@ def main() -> None:
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--cpu-child":
         a = sys.argv
-        _cpu_chain(int(a[2]), int(a[3]), float(a[4]), float(a[5]), a[6])
+        _cpu_chain(int(a[2]), int(a[3]), float(a[4]), float(a[5]), a[6], a[7])
         return
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")

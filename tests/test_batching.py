@@ -78,6 +78,16 @@ def test_without_a_known_length_batches_hold_the_minimum_work() -> None:
     assert fresh.size() == 4
 
 
+def test_a_stream_is_bounded_by_the_most_work_per_batch_not_the_minimum() -> None:
+    """A stream's source cuts its chunks by time; the sizer only caps their work."""
+    stream = _sizer(0.001, None)
+    stream.stream = True
+    assert stream.size() == int(stream.max_work_s / 0.001) == 500
+    timed = _sizer(0.001, None, event_timeout_s=0.4)
+    timed.stream = True
+    assert timed.size() == 100  # a quarter of the event time-out
+
+
 def test_cheap_events_are_batched_by_bytes_and_the_event_limit() -> None:
     assert _sizer(1e-6, 1_000_000).size() == MAX_BATCH_EVENTS
     big = _sizer(1e-6, 1_000_000)

@@ -258,6 +258,33 @@ def test_read_encoded_stops_at_max_events() -> None:
     assert uids == [0, 1, 2]
 
 
+class StreamSource(Source):
+    """Chunks as they would arrive from a network: 3, 5, then 2 events."""
+
+    streaming = True
+
+    def encoded_batches(self, start: int = 0) -> Iterator[tuple[list[int], int, int, list[Any]]]:
+        k = 0
+        for n in (3, 5, 2):
+            stores = [DataStore(EventMeta(k + i, 0, 1, k + i), {"k": k + i}) for i in range(n)]
+            yield [s.meta.uid for s in stores], 0, 1, [encode_event(s) for s in stores]
+            k += n
+
+
+def test_a_stream_batch_ends_with_its_chunk() -> None:
+    """The input never waits for a stream's next chunk to fill a batch (those events
+    may not have been sent yet); a chunk larger than the batch is cut as usual."""
+    role = Role(StreamSource())
+    role.sizer.stream = True
+    reader = encoded_source(role.chain, 0)
+    assert reader is not None
+    got = [read_encoded(role, reader, 100)[1]]
+    got.append(read_encoded(role, reader, 4)[1])
+    while not role.exhausted:
+        got.append(read_encoded(role, reader, 100)[1])
+    assert got[:4] == [[0, 1, 2], [3, 4, 5, 6], [7], [8, 9]]
+
+
 # --- LazyEvent (workers) ---------------------------------------------------------------
 def test_lazy_event_reads_meta_without_decoding_and_decodes_on_first_use() -> None:
     frames = encode_event(

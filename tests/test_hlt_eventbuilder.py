@@ -7,9 +7,10 @@ import pytest
 
 from evflow.errors import ConfigurationError, ProtocolError
 from evflow.hlt import eventbuilder
-from evflow.hlt.built import decode_built, encode_built, stores_from_batch
+from evflow.hlt.built import decode_built, encode_built, encoded_from_batch, stores_from_batch
 from evflow.hlt.eventbuilder import BuilderConfig, BuildState, EventBuilder
 from evflow.hlt.fragments import FragmentBatch, decode_fragments, encode_fragments
+from evflow.wire.codec import INLINE_MAX_BYTES, encode_event
 from evflow.wire.messages import decode_message
 
 
@@ -185,6 +186,54 @@ def test_built_batch_to_stores_and_over_the_wire() -> None:
         assert got[1]["hlt_missing"].tolist() == [1]
         assert "frag_1" not in got[1]
         assert bytes(got[0]["frag_2"]) == bytes([2, 4]) * 2
+
+
+@pytest.mark.parametrize("size", [4, 300, INLINE_MAX_BYTES + 2])
+def test_encoded_events_are_the_codec_bytes_of_the_stores(size: int) -> None:
+    """The source's fast path sends these bytes instead of encoding each store."""
+    b, _ = builder(3, timeout_s=100)
+    b.add(batch(0, range(10, 20), size))
+    b.add(batch(2, range(10, 20), size))
+    b.add(batch(1, range(10, 15), size))
+    b.end_source(1)
+    b.poll()
+    batches = b.take_built()
+    assert sum(len(bb) for bb in batches) == 10
+    for bb in batches:
+        uids, frames = encoded_from_batch(bb, experiment=3, run=7)
+        stores = list(stores_from_batch(bb, experiment=3, run=7))
+        assert uids == [s.meta.uid for s in stores]
+        want = [[bytes(f) for f in encode_event(s)] for s in stores]
+        assert [[bytes(f) for f in fr] for fr in frames] == want
+
+
+def test_joined_events_are_the_codec_bytes_of_the_merged_stores() -> None:
+    """merge=join_fragments on the fast path: the replayed event's header reused."""
+    from evflow.hlt.built import joined_from_batch
+    from evflow.hlt.replay import encoded, join_fragments, split_event
+    from evflow.io import ToyGenerator
+
+    events = list(ToyGenerator(n_events=12, payload_bytes=700).events())
+    pieces = [split_event(blob, 3) for blob in encoded(events)]
+    pieces[5][1] = memoryview(b"garbage")  # complete, but not an event: no objects
+    b, _ = builder(3, timeout_s=100)
+    for src in (0, 2, 1):
+        ids = range(12) if src != 1 else range(10)  # 10 and 11 miss source 1
+        frs = [pieces[i][src] for i in ids]
+        lens = np.array([len(f) for f in frs], np.int64)
+        b.add(
+            FragmentBatch(src, np.array(ids, np.int64), lens, np.cumsum(lens) - lens, b"".join(frs))
+        )
+    b.end_source(1)
+    b.poll()
+    batches = b.take_built()
+    stores = [s for bb in batches for s in stores_from_batch(bb, join_fragments, 1, 2)]
+    joined = [f for bb in batches for f in joined_from_batch(bb, 1, 2)[1]]
+    assert [[bytes(f) for f in fr] for fr in joined] == [
+        [bytes(f) for f in encode_event(s)] for s in stores
+    ]
+    assert stores[3]["payload"].tobytes() == events[3]["payload"].tobytes()
+    assert "payload" not in stores[5] and stores[11]["hlt_missing"].tolist() == [1]
 
 
 def test_merge_function() -> None:

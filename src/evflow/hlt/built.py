@@ -16,14 +16,34 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgpack
 import numpy as np
 
-from evflow.errors import ProtocolError
+from evflow.errors import CodecError, ProtocolError
 from evflow.hlt.eventbuilder import BuildState, BuiltBatch
+from evflow.hlt.replay import join_fragments
 from evflow.processing.datastore import DataStore, EventMeta
+from evflow.wire._arrays import dtype_str
+from evflow.wire._header import (
+    CODEC_VERSION,
+    INLINE_MAX_BYTES,
+    KIND_EVENT,
+    META,
+    T_ARRAY,
+    T_VALUE,
+    packb,
+)
+from evflow.wire.codec import decode_event, encode_event, unpack_frames
 from evflow.wire.messages import Message, MsgType, encode_message
 
-__all__ = ["Merge", "decode_built", "encode_built", "stores_from_batch"]
+__all__ = [
+    "Merge",
+    "decode_built",
+    "encode_built",
+    "encoded_from_batch",
+    "joined_from_batch",
+    "stores_from_batch",
+]
 
 Merge = Callable[[int, dict[int, memoryview]], dict[str, Any]]
 FORMAT = 1
@@ -60,6 +80,94 @@ def stores_from_batch(
             experiment,
             run,
         )
+
+
+_M0 = EventMeta(0)  # the flags and attempt a built event's meta has
+_U1 = dtype_str(np.dtype(np.uint8))
+_U4 = dtype_str(np.dtype(np.uint32))
+
+
+def encoded_from_batch(
+    batch: BuiltBatch, experiment: int = 0, run: int = 0
+) -> tuple[list[int], list[list[Any]]]:
+    """``(uids, frames)``: each event of ``batch`` encoded, byte for byte what
+    ``encode_event`` gives for the store :func:`stores_from_batch` yields, without
+    making the store (the path engine's fast path: the input sends these bytes as they
+    are). The fragments are copied once, into the event's header (inline, as the codec
+    does up to ``INLINE_MAX_BYTES``); an event with a larger fragment goes through the
+    codec."""
+    uids = batch.ids.tolist()
+    states = batch.states.tolist()
+    misses = batch.missing.tolist()
+    lens = batch.lengths.tolist()
+    msgs = batch._msg.tolist()
+    offs = batch._off.tolist()
+    bufs = {k: memoryview(b).cast("B") for k, b in batch._bufs.items()}
+    names = [f"frag_{s}" for s in batch.sources]
+    pack_meta = META.pack
+    out: list[list[Any]] = []
+    for i, uid in enumerate(uids):
+        miss = misses[i]
+        entries: list[Any] = []
+        for k, name in enumerate(names):
+            if not miss >> k & 1:
+                n = lens[i][k]
+                if n > INLINE_MAX_BYTES:
+                    entries = []
+                    break
+                o = offs[i][k]
+                entries.append((name, T_ARRAY, _U1, (n,), bufs[msgs[i][k]][o : o + n]))
+        else:
+            gone = batch.missing_sources(i) if miss else []
+            entries.append(("hlt_state", T_VALUE, states[i]))
+            entries.append(("hlt_missing", T_ARRAY, _U4, (len(gone),), _u4_bytes(gone)))
+            meta = pack_meta(uid, experiment, run, uid, _M0.flags, _M0.attempt)
+            out.append([packb((CODEC_VERSION, KIND_EVENT, meta, entries))])
+            continue
+        frags = batch.fragments(i)
+        gone = batch.missing_sources(i) if miss else []
+        out.append(encode_event(_store(uid, frags, states[i], gone, None, experiment, run)))
+    return uids, out
+
+
+def joined_from_batch(
+    batch: BuiltBatch, experiment: int = 0, run: int = 0
+) -> tuple[list[int], list[list[Any]]]:
+    """:func:`encoded_from_batch` for ``merge=join_fragments`` (replayed events): a
+    complete event's pieces joined are the replayed event's own bytes, so its header
+    entries are taken as they are (parsed, never re-encoded from objects) plus
+    ``hlt_state`` and ``hlt_missing``, under the builder's meta. A worker that does not
+    open the event never decodes it. The event is still decoded once here, so bytes
+    that are not an event are treated as ``join_fragments`` treats them."""
+    uids = batch.ids.tolist()
+    states = batch.states.tolist()
+    misses = batch.missing.tolist()
+    pack_meta = META.pack
+    none_missing = ("hlt_missing", T_ARRAY, _U4, (0,), b"")
+    out: list[list[Any]] = []
+    for i, uid in enumerate(uids):
+        frags = batch.fragments(i)
+        if not misses[i]:
+            data = b"".join([frags[s] for s in sorted(frags)])
+            try:
+                frames = unpack_frames(data)
+                decode_event(frames)  # the check join_fragments makes
+            except CodecError:
+                frames = []
+            if len(frames) == 1:  # (an event with buffer frames goes the long way)
+                head = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
+                entries = [*head[3], ("hlt_state", T_VALUE, states[i]), none_missing]
+                meta = pack_meta(uid, experiment, run, uid, _M0.flags, _M0.attempt)
+                out.append([packb((CODEC_VERSION, KIND_EVENT, meta, entries))])
+                continue
+        gone = batch.missing_sources(i) if misses[i] else []
+        store = _store(uid, frags, states[i], gone, join_fragments, experiment, run)
+        out.append(encode_event(store))
+    return uids, out
+
+
+def _u4_bytes(values: list[int]) -> bytes:
+    return np.array(values, np.uint32).tobytes() if values else b""
 
 
 def encode_built(batch: BuiltBatch) -> list[Any]:

@@ -19,6 +19,7 @@ middle, a truncated or foreign ROOT file and a missing file are one ``InputError
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -101,12 +102,17 @@ class JoinFragments(Module):
     def event(self, store: DataStore) -> bool | None:
         if store["hlt_state"] != 0:
             return False if self.drop_incomplete else None
-        keys = sorted((k for k in store if k.startswith("frag_")), key=lambda k: int(k[5:]))
-        objects = join_fragments(0, {i: memoryview(store[k]) for i, k in enumerate(keys)})
-        for k in keys:
-            del store[k]
-        store.objects.update(objects)
+        objects = store.objects  # one dict, edited in place (the store's own)
+        keys = sorted((k for k in objects if k.startswith("frag_")), key=_source_id)
+        data = b"".join([objects.pop(k) for k in keys])
+        # bytes that are not a replayed event: the pieces are gone, as in join_fragments
+        with contextlib.suppress(CodecError):
+            objects.update(decode_event(unpack_frames(data)).objects)
         return None
+
+
+def _source_id(key: str) -> int:
+    return int(key[5:])
 
 
 class Timeline:

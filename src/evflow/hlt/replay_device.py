@@ -34,6 +34,9 @@ __all__ = ["ReplayDevice"]
 
 log = logging.getLogger("evflow.hlt")
 
+#: ``tick_ms = -1``: a tick of about this many events at the asked rate (1 to 50 ms)
+AUTO_TICK_EVENTS = 32
+
 
 class ReplayDevice(Device):
     description = "replays a record/ROOT file at a set rate, whole or as N fragment streams"
@@ -48,7 +51,11 @@ class ReplayDevice(Device):
     builder = Param(str, "", "event builder address (with streams > 0)")
     max_batch = Param(int, 256, "events sent together at most")
     tick_ms = Param(
-        float, 0.0, "send what is due at most every this many ms (batching; 0: at once)"
+        float,
+        -1.0,
+        "send what is due at most every this many ms (several events per message, each "
+        "keeps its due time; 0: every event when due; -1: auto, about 32 events per "
+        "message, every 1 to 50 ms)",
     )
     channel_name = Param(str, "data", "output channel for whole events")
     ack_timeout_s = Param(float, 10.0, "how long to wait for END acknowledgements (s)")
@@ -68,12 +75,25 @@ class ReplayDevice(Device):
         self._senders: list[FragmentSender] = []
         if self.streams:
             self._pieces = [split_event(b, self.streams) for b in encoded(stores)]
+            # per stream, every event's piece back to back: a run of consecutive events
+            # goes out as one slice, with no step per event
+            self._stream_data = [b"".join(p[s] for p in self._pieces) for s in range(self.streams)]
+            lens = np.array([[len(x) for x in p] for p in self._pieces], np.int64)
+            self._stream_lens = [np.ascontiguousarray(lens[:, s]) for s in range(self.streams)]
+            self._stream_offs = [
+                np.concatenate(([0], np.cumsum(lens[:, s]))) for s in range(self.streams)
+            ]
             self._senders = [
                 FragmentSender(self.context, self.builder, s, session=self.session, name=self.id)
                 for s in range(self.streams)
             ]
         self.sent = 0
         self.report = ReplayReport(rate_hz=self.event_rate)
+        self._tick_s = self.tick_ms / 1e3
+        if self.tick_ms < 0 and self.event_rate:  # auto: each message costs every process
+            self._tick_s = min(max(AUTO_TICK_EVENTS / self.event_rate, 0.001), 0.05)
+        elif self.tick_ms < 0:
+            self._tick_s = 0.0
 
     def pre_run(self) -> None:
         # the timeline starts when the builder is ready (it sends the first credits once
@@ -85,6 +105,7 @@ class ReplayDevice(Device):
                     break
         self._timeline = Timeline(self.event_rate)
         self._t_last = self._timeline.t0
+        self._next_send = self._timeline.t0  # the first batch at once
 
     def conditional_run(self) -> bool:
         tl = self._timeline
@@ -94,11 +115,18 @@ class ReplayDevice(Device):
         n = min(tl.ready(k), self.max_batch)
         if self._limit:
             n = min(n, self._limit - k)
-        if n <= 0:
-            # next due event, or (batching) the next tick: events keep their due times,
-            # so the rate over the run is the same; they travel several to a message
-            wait_s = max(tl.due(k) - time.monotonic(), self.tick_ms / 1e3 if k else 0.0)
-            time.sleep(min(max(wait_s, 0.0), 0.005 + self.tick_ms / 1e3))
+        now = time.monotonic()
+        # what is due goes at most every tick (a send takes time: without this the
+        # event that fell due meanwhile would go alone right after): several events
+        # to a message, each keeping its due time, so the rate over the run is the
+        # same. The last event goes when due, not at the next tick after it.
+        last_due = tl.due(self._limit - 1) if self._limit else None
+        if n <= 0 or (now < self._next_send and not (last_due is not None and last_due <= now)):
+            wake = max(tl.due(k), self._next_send)
+            if last_due is not None:
+                wake = min(wake, max(last_due, tl.due(k)))
+            if wake > now:
+                time.sleep(min(wake - now, 0.005 + self._tick_s))
             return True
         ids = np.arange(k, k + n, dtype=np.int64)
         if self._senders:
@@ -107,13 +135,24 @@ class ReplayDevice(Device):
             stores = [self._stores[i % self._n] for i in range(k, k + n)]
             self.send(self.channel_name, MsgType.EVENTS, None, encode_batch(stores))
         self._t_last = time.monotonic()
+        self._next_send = now + self._tick_s
         self.sent += n
         return True
 
     def _send_fragments(self, ids: np.ndarray) -> None:
-        pieces = [self._pieces[i % self._n] for i in ids.tolist()]
-        for s, sender in enumerate(self._senders):
-            frags = [p[s] for p in pieces]
+        first = int(ids[0]) % self._n
+        if first + len(ids) <= self._n:  # one run of the file: one slice per stream
+            stop = first + len(ids)
+            batches: list[Any] = [
+                (lens[first:stop], memoryview(data)[int(offs[first]) : int(offs[stop])])
+                for data, lens, offs in zip(
+                    self._stream_data, self._stream_lens, self._stream_offs, strict=True
+                )
+            ]
+        else:  # across the end of a pass
+            pieces = [self._pieces[i % self._n] for i in ids.tolist()]
+            batches = [[p[s] for p in pieces] for s in range(len(self._senders))]
+        for sender, frags in zip(self._senders, batches, strict=True):
             while not sender.wait_credit(time.monotonic() + 0.1, lambda: self._loop_stop):
                 self._tick()
                 if self._loop_stop:

@@ -195,12 +195,22 @@ class BatchSizer:
     left, between ``TARGET_BATCH_WORK_S`` and ``MAX_BATCH_WORK_S`` (guided
     self-scheduling: few messages while much is left, small batches at the end so that
     no worker idles while another finishes a long one); when not known, batches hold
-    ``TARGET_BATCH_WORK_S``. Events above ``PACK_LIMIT_B`` keep their own frames (a few
+    ``TARGET_BATCH_WORK_S``; for a stream (:attr:`stream`: the source hands over what
+    has arrived, its chunks set the batches) up to ``max_work_s``. Events above
+    ``PACK_LIMIT_B`` keep their own frames (a few
     per message up to ``TARGET_BATCH_B``, 1 MB events one by one), sent zero-copy from
     ``ZERO_COPY_MIN_B`` on.
     """
 
-    __slots__ = ("event_b", "max_work_s", "remaining", "target_b", "work_s", "workers")
+    __slots__ = (
+        "event_b",
+        "max_work_s",
+        "remaining",
+        "stream",
+        "target_b",
+        "work_s",
+        "workers",
+    )
 
     def __init__(
         self, target_b: int = TARGET_BATCH_B, event_timeout_s: float | None = None
@@ -215,6 +225,9 @@ class BatchSizer:
             )
         self.remaining: int | None = None  # events not yet read, if the source knows
         self.workers = 1  # workers sharing the events left
+        # a stream (the source's ``streaming``): events arrive over time and the source
+        # hands over what has arrived; a batch is that, bounded by max_work_s only
+        self.stream = False
 
     def observe_size(self, nbytes: int) -> None:
         self.event_b = nbytes if self.event_b == 0 else 0.8 * self.event_b + 0.2 * nbytes
@@ -229,7 +242,7 @@ class BatchSizer:
     def work_target_s(self) -> float:
         """Seconds of work the next batch should hold."""
         if self.remaining is None or self.work_s <= 0:
-            return TARGET_BATCH_WORK_S
+            return self.max_work_s if self.stream else TARGET_BATCH_WORK_S
         share = self.remaining * self.work_s / (GUIDED_SHARES * max(self.workers, 1))
         return min(max(share, TARGET_BATCH_WORK_S), self.max_work_s)
 

@@ -114,6 +114,9 @@ def read_encoded(
     ``start_position``, ``exhausted``, ``source``); its counters are updated as
     ``_read_batch`` does for stores: ``read``, the source's statistics, run switches.
 
+    A source with ``streaming = True`` (events that arrive over time) ends a batch at
+    the end of a chunk instead of waiting for the next one.
+
     When every chunk it reads from says its events lie back to back in one buffer
     (``contiguous``: ``(buffer, width)``, as the toy source's ``RowEvents``) and the
     batch travels packed, the frames come as one :class:`PackedEvents` (the bytes
@@ -126,6 +129,9 @@ def read_encoded(
             role.exhausted = True
             return [], [], []
     chain = role.chain
+    # a stream (the source's ``streaming``): a chunk is what arrived by now, so a
+    # batch never waits for the next one (it would wait for events not sent yet)
+    stream = role.sizer.stream
     parts: list[tuple[Sequence[Any], int, int]] = []  # (chunk frames, first, stop)
     uids: list[int] = []
     t0 = time.perf_counter()
@@ -148,6 +154,8 @@ def read_encoded(
             parts.append((frames, offset, end))
             got += end - offset
             pending[4] = end
+            if stream and end == len(chunk_uids):
+                break
     except EvflowError:
         raise
     except Exception as exc:

@@ -146,6 +146,8 @@ class _Input:
         self.sizer = BatchSizer(
             SHM_TARGET_BATCH_B if shm else TARGET_BATCH_B, options.get("event_timeout_s")
         )
+        # a stream (events arrive over time): its chunks are what has arrived
+        self.sizer.stream = getattr(self.source, "streaming", False) is True
         self.n_workers = int(options.get("workers") or 1)
         self.to_read: int | None = None  # events this run reads, when the source knows
         self.workers: dict[bytes, _Slot] = {}

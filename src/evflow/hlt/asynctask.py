@@ -304,20 +304,26 @@ class AsyncTask:
 
     def _read(self) -> None:
         assert self._sock is not None
+        gone = False  # the child closed its end (it exits after reporting an exception)
         try:
             while True:
                 chunk = self._sock.recv(1 << 20)
                 if not chunk:
-                    self._dead()
-                    return
+                    gone = True
+                    break
                 self._inbuf += chunk
         except BlockingIOError:
             pass
         except OSError:
+            gone = True
+        # what it wrote before it went is read first: its last answer names the exception
+        self._take_answer()
+        if gone and self._sock is not None:
             self._dead()
-            return
+
+    def _take_answer(self) -> None:
         buf = self._inbuf
-        if len(buf) < _HEAD.size:
+        if self._busy is None or len(buf) < _HEAD.size:
             return
         hlen, blen = _HEAD.unpack_from(buf)
         if hlen > _MAX_HEADER_B or len(buf) < _HEAD.size + hlen + blen:

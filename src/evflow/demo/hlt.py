@@ -34,7 +34,7 @@ from evflow.demo.runner import hzz_path
 from evflow.errors import ConfigurationError, EvflowError, OutputError
 from evflow.hlt.asyncmodule import AsyncTaskModule
 from evflow.hlt.builder_device import EventBuilderInput
-from evflow.hlt.replay import JoinFragments
+from evflow.hlt.replay import join_fragments
 from evflow.io.records import RecordOutput, RecordReader, decode_record
 from evflow.processing.api import process
 from evflow.processing.datastore import DataStore
@@ -134,9 +134,11 @@ def build_hlt_path(address: str, streams: int, timeout_s: float, out: FsPath) ->
             timeout_s=timeout_s,
             stats_file=str(out / "builder.json"),
             end_timeout_s=10.0,
+            # replayed events: the pieces, joined as bytes, are the event again; on the
+            # parallel fast path no store is made in the input (docs/hlt.md)
+            merge=join_fragments,
         )
     )
-    path.add(JoinFragments())
     path.add(LeptonSelection(name="MuonSelection", flavour="muon", pt_min=5.0, eta_max=2.4))
     path.add(LeptonSelection(name="ElectronSelection", flavour="electron", pt_min=5.0, eta_max=2.5))
     path.add(DimuonMass())

@@ -14,6 +14,10 @@ at once through ``zygote.fileno()``, and every child dies with the supervisor.
   bus (RUNNING -> STOP -> RESET_TASK -> RESET_DEVICE -> END); a plain process gets
   SIGTERM. Whatever is still alive after ``grace_s`` gets SIGKILL. A second SIGINT
   SIGKILLs everything at once. The bus proxy (if any) stops last.
+- **Decisions**: a spec with a ``decide`` hook (processes.py) says per death what
+  happens: restart now, later (the supervisor holds the timer), with new arguments,
+  taking one of a group's shared :class:`RestartBudget`, or end, or give up. A path run
+  (processing/parallel/engine.py) keeps its policy there and leaves the mechanics here.
 - **Events**: :meth:`~Supervisor.on_exit` callbacks and :meth:`~Supervisor.poll` return
   an :class:`ExitEvent` for each death, as soon as it happens.
 - **Cleanup**: :meth:`~Supervisor.close` removes the session's ipc directory and its
@@ -26,6 +30,7 @@ import logging
 import os
 import selectors
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -36,9 +41,11 @@ from evflow.errors import ConfigurationError, EvflowError
 from evflow.runtime._devicestop import walk_down
 from evflow.runtime.processes import (
     RESTART_POLICIES,
+    Decision,
     ExitEvent,
     ManagedProcess,
     ProcessSpec,
+    RestartBudget,
     describe_exit,
 )
 from evflow.runtime.zygote import Zygote
@@ -47,9 +54,11 @@ from evflow.transport.paths import remove_session_files
 __all__ = [
     "BUS_PROCESS",
     "RESTART_POLICIES",
+    "Decision",
     "ExitEvent",
     "ManagedProcess",
     "ProcessSpec",
+    "RestartBudget",
     "Supervisor",
     "describe_exit",
 ]
@@ -87,6 +96,7 @@ class Supervisor:
         self._stopping = False
         self._fast = False
         self._signals = 0
+        self.signals: list[int] = []  # the signals received, in order
         self._stopping_requested = False
         self._want_bus = bus
         # the proxy's (XSUB, XPUB) channel addresses; ";" adds endpoints, e.g.
@@ -156,8 +166,10 @@ class Supervisor:
 
     def _launch(self, proc: ManagedProcess) -> None:
         spec = proc.spec
+        if spec.before_launch is not None:
+            spec.before_launch(proc)
         if spec.target is not None:
-            pid = self.zygote.spawn(spec.target, *spec.args, name=spec.name)
+            pid = self.zygote.spawn(spec.target, *proc.args, name=proc.label)
         else:
             assert spec.argv is not None
             pid = self.zygote.spawn_exec(spec.argv, env=spec.env, cwd=spec.cwd, name=spec.name)
@@ -166,6 +178,8 @@ class Supervisor:
         proc.started_at_s = self.clock()
         proc.pids.append(pid)
         self._by_pid[pid] = proc
+        if spec.after_launch is not None:
+            spec.after_launch(proc)
 
     # --- events --------------------------------------------------------------------
     def on_exit(self, callback: Callable[[ExitEvent], None]) -> None:
@@ -191,7 +205,21 @@ class Supervisor:
             with selectors.DefaultSelector() as sel:
                 sel.register(self.zygote.fileno(), selectors.EVENT_READ)
                 sel.select(wait_s)
-        events = [self._handle_exit(pid, rc) for pid, rc in self.zygote.exits()]
+        events = self.reap()
+        events += self.launch_due()
+        for event in events:
+            for callback in self._callbacks:
+                callback(event)
+        return events
+
+    def reap(self) -> list[ExitEvent]:
+        """Handle the deaths noticed so far (never blocks; no callbacks): a ``decide``
+        hook's immediate restart is forked here, a delayed one by :meth:`launch_due`."""
+        return [self._handle_exit(pid, rc) for pid, rc in self.zygote.exits()]
+
+    def launch_due(self) -> list[ExitEvent]:
+        """Fork the restarts whose backoff is over (no callbacks); failed ones as events."""
+        events: list[ExitEvent] = []
         now = self.clock()
         for proc in sorted(self.processes.values(), key=lambda p: p.order):
             if proc.state == "backoff" and proc.restart_at_s is not None:
@@ -205,14 +233,29 @@ class Supervisor:
                         proc.restarts,
                         proc.spec.max_restarts,
                     )
+                    proc.budgeted = False
                     try:
                         self._launch(proc)
                     except EvflowError as exc:
                         events.append(self._fail(proc, proc.pid or 0, -1, f"restart failed: {exc}"))
-        for event in events:
-            for callback in self._callbacks:
-                callback(event)
         return events
+
+    def cancel_restarts(self) -> int:
+        """Drop every restart still waiting for its backoff (e.g. the work is over);
+        each gives its restart back to its budget. Returns how many were dropped."""
+        n = 0
+        for proc in self.processes.values():
+            if proc.state == "backoff":
+                proc.state, proc.restart_at_s = "stopped", None
+                if proc.budgeted and proc.spec.budget is not None:
+                    proc.spec.budget.used -= 1
+                proc.budgeted = False
+                n += 1
+        return n
+
+    def waiting(self) -> list[ManagedProcess]:
+        """Processes waiting for a delayed restart."""
+        return [p for p in self.processes.values() if p.state == "backoff"]
 
     def _handle_exit(self, pid: int, returncode: int) -> ExitEvent:
         proc = self._by_pid.pop(pid, None)
@@ -226,6 +269,8 @@ class Supervisor:
         if self._stopping:
             proc.state = "stopped"
             return ExitEvent(proc.name, pid, returncode, "stopped", proc.restarts, what, now)
+        if spec.decide is not None:
+            return self._decided(proc, pid, returncode, what, now)
         if returncode == 0:
             proc.state = "done"
             return ExitEvent(proc.name, pid, 0, "done", proc.restarts, what, now)
@@ -243,6 +288,40 @@ class Supervisor:
         proc.state, proc.restart_at_s = "backoff", now + delay
         message = f"{what}; restarting in {delay:.3g} s"
         log.warning("%s", message)
+        return ExitEvent(proc.name, pid, returncode, "restarting", proc.restarts, message, now)
+
+    def _decided(
+        self, proc: ManagedProcess, pid: int, returncode: int, what: str, now: float
+    ) -> ExitEvent:
+        """A death of a process with a ``decide`` hook: carry out what the hook says.
+
+        An immediate restart is forked here, before the next death is looked at; a
+        failing fork raises (the caller's run cannot go on without its process).
+        """
+        decision = proc.spec.decide(proc, returncode)  # type: ignore[misc]
+        if decision.action == "end":
+            proc.state = "done" if returncode == 0 else "ended"
+            outcome = proc.state
+            return ExitEvent(proc.name, pid, returncode, outcome, proc.restarts, what, now)
+        if decision.action != "restart":
+            return self._fail(proc, pid, returncode, decision.message or what)
+        budget = proc.spec.budget
+        if decision.counts and budget is not None:
+            if budget.left <= 0:
+                return self._fail(
+                    proc, pid, returncode, f"{what}; the group's {budget.limit} restarts are spent"
+                )
+            budget.used += 1
+        if decision.args is not None:
+            proc.args = decision.args
+        if decision.delay_s > 0.0:
+            proc.state, proc.restart_at_s = "backoff", now + decision.delay_s
+            proc.budgeted = decision.counts and budget is not None
+            message = f"{what}; restarting in {decision.delay_s:.3g} s"
+        else:
+            proc.restarts += 1
+            self._launch(proc)
+            message = f"{what}; restarted (pid {proc.pid})"
         return ExitEvent(proc.name, pid, returncode, "restarting", proc.restarts, message, now)
 
     def _fail(self, proc: ManagedProcess, pid: int, returncode: int, message: str) -> ExitEvent:
@@ -279,6 +358,7 @@ class Supervisor:
 
     # --- running and shutting down -------------------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.signals.append(signum)
         self._signals += 1
         if self._signals > 1:
             self._fast = True  # the second signal: no more waiting
@@ -289,13 +369,21 @@ class Supervisor:
         """True once SIGINT/SIGTERM arrived (with :meth:`install_signal_handlers`)."""
         return self._stopping_requested
 
-    def install_signal_handlers(self) -> Callable[[], None]:
+    def install_signal_handlers(self, keep_ignored: bool = False) -> Callable[[], None]:
         """Handle SIGINT/SIGTERM: the first sets :attr:`shutdown_requested`, a second
-        makes a running :meth:`shutdown` fast. Returns a function that restores the old
-        handlers. Main thread only; :meth:`run` does this for you."""
-        previous = {
-            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
-        }
+        makes a running :meth:`shutdown` fast; :attr:`signals` lists them. Returns a
+        function that restores the old handlers. :meth:`run` does this for you.
+
+        ``keep_ignored``: a signal ignored now stays ignored (a run started in the
+        background must not stop on the terminal's Ctrl-C), and outside the main thread
+        nothing is installed.
+        """
+        sigs = (signal.SIGINT, signal.SIGTERM)
+        if keep_ignored:
+            if threading.current_thread() is not threading.main_thread():
+                return lambda: None
+            sigs = tuple(s for s in sigs if signal.getsignal(s) is not signal.SIG_IGN)
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in sigs}
 
         def restore() -> None:
             for sig, handler in previous.items():
@@ -393,8 +481,9 @@ class Supervisor:
             )
         return self._controller
 
-    def close(self) -> None:
-        """Stop what still runs (fast), the zygote, and remove the session's ipc and shm."""
+    def close(self, cleanup: bool = True) -> None:
+        """Stop what still runs (fast), the zygote, and remove the session's ipc and shm
+        (``cleanup=False``: the caller calls :meth:`cleanup` once its sockets closed)."""
         if any(p.alive for p in self.processes.values()):
             self.shutdown(fast=True)
         if self._controller is not None:
@@ -402,9 +491,11 @@ class Supervisor:
             self._context.term()
             self._controller = self._context = None
         if self.zygote.pid is not None and self.zygote.alive:
+            self._stopping = True  # what the zygote's stop reaps is not restarted
             for pid, rc in self.zygote.stop(grace_s=0.5):
                 self._handle_exit(pid, rc)
-        self.cleanup()
+        if cleanup:
+            self.cleanup()
 
     def cleanup(self) -> None:
         """Remove the session's ipc directory and shared-memory segments."""

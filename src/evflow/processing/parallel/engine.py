@@ -1,14 +1,18 @@
 """The calling process of a parallel run: start the roles, watch them, stop them.
 
 The caller (the process running the steering file) keeps the split path in
-``state``, starts a zygote *before* it creates any zmq context, then forks the
-output, the input and N workers from it. It holds the ``ctl`` ROUTER every role
+``state`` and starts the runtime's :class:`~evflow.runtime.supervisor.Supervisor`
+*before* it creates any zmq context: its zygote forks the input, N workers and the
+output, it reaps them, kills them and restarts them, and it relays SIGINT/SIGTERM to
+``self.signals``, as for any device of a topology. What a death means is the path's
+policy, given to the supervisor as each role's ``decide`` hook (exitpolicy.py); the
+summary is built by runsummary.py. The caller holds the ``ctl`` ROUTER every role
 reports to (HELLO, STATE ERROR, RESULT) and reacts to:
 
 - a child's exit (the zygote's notice fd wakes the poll at once): a worker that dies
   unasked is reported to the input (WORKER_LOST: its unconfirmed batches are sent
   again) and replaced by a fresh fork, up to ``max_restarts``; a dead input or output
-  stops the run with a clear error;
+  is restarted when it can be, else it stops the run with a clear error;
 - SIGINT/SIGTERM: the first asks the input to STOP reading (in-flight events finish
   and are written, files close, KeyboardInterrupt / exit 143 afterwards); a second
   kills the workers and tells the output to close its files now.

@@ -10,7 +10,8 @@ both see the same load of a shared machine. Printed per tree, the median of the 
 
 - start-up of 32 workers: seconds from ``run_parallel`` to the first event and to
   every worker's HELLO (the summary's own figures), and the whole process's wall time
-  (interpreter, imports, the 128-event run, exit);
+  (interpreter, imports, the 128-event run, exit) and the calling process's CPU
+  seconds for the run (CPU time: less at the mercy of the machine's load);
 - chain: events/s of 1 kB events through input -> 2 no-op workers -> output, and the
   calling process's CPU microseconds per event (its watch loop: the part a change of
   the process management touches), with the run's total CPU per event;
@@ -76,6 +77,7 @@ def measure(src: str, quick: bool, only: str = "") -> dict[str, float]:
         row["startup32_first_s"] = up["first_s"]
         row["startup32_all_s"] = up["ready_s"]
         row["startup32_process_s"] = up["process_s"]  # interpreter, imports, run, exit
+        row["startup32_parent_cpu_s"] = up["parent_cpu_s"]  # the caller's CPU for the run
     if only in ("", "chain"):
         chain_n = 20_000 if quick else 100_000
         chain = probe(src, chain_n, 1024, 0.0, 2)

@@ -20,7 +20,6 @@ reports to (HELLO, STATE ERROR, RESULT) and reacts to:
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import os
 import secrets
@@ -31,13 +30,10 @@ from typing import Any
 
 import zmq
 
-from evflow import errors
 from evflow.errors import (
     ConfigurationError,
     EvflowError,
-    ModuleError,
     PeerLostError,
-    ProtocolError,
 )
 from evflow.monitor import runhook
 from evflow.monitor.console import is_terminal
@@ -45,6 +41,7 @@ from evflow.processing.chain import output_files
 from evflow.processing.options import ProcessOptions
 from evflow.processing.parallel import checkpoint, scoreboard, state, statsboard
 from evflow.processing.parallel.common import channel
+from evflow.processing.parallel.control import ControlMixin
 from evflow.processing.parallel.exitpolicy import ExitPolicy
 from evflow.processing.parallel.input import input_main
 from evflow.processing.parallel.notices import say as _say
@@ -59,9 +56,9 @@ from evflow.runtime.bus import BusProxy
 from evflow.runtime.busclient import BusClient
 from evflow.runtime.supervisor import RestartBudget, Supervisor
 from evflow.transport import security
-from evflow.transport.security import RunAuth, peer_pid
+from evflow.transport.security import RunAuth
 from evflow.transport.sessions import claim_session, remove_stale_sessions
-from evflow.wire.messages import BadMessageCounter, MsgType, encode_message, field_int, refuse
+from evflow.wire.messages import BadMessageCounter, MsgType
 
 #: after the input and output are done, workers get this long to exit on their own (s)
 WORKER_EXIT_GRACE_S = 5.0
@@ -73,7 +70,7 @@ ABORT_GRACE_S = 5.0
 STOP_GRACE_S = 30.0
 
 
-class Parent(ExitPolicy, RunSummaryMixin):
+class Parent(ControlMixin, ExitPolicy, RunSummaryMixin):
     """Runs one parallel path; ``run()`` returns the RunSummary or raises."""
 
     def __init__(self, split: SplitPath, options: ProcessOptions) -> None:
@@ -343,70 +340,6 @@ class Parent(ExitPolicy, RunSummaryMixin):
             if self.ctl.poll(50):
                 self._drain_ctl()
 
-    def _drain_ctl(self) -> None:
-        while True:
-            try:
-                frames = self.ctl.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            msg = self.bad.decode(frames[1:])
-            if msg is None:
-                continue
-            try:
-                name = self._sender(frames[0], msg)
-            except ProtocolError as exc:
-                self.bad.record_error(exc)
-                continue
-            if msg.type == MsgType.HELLO:
-                if name.startswith("worker"):
-                    self.worker_hellos += 1
-                    if self.worker_hellos == self.n_workers:
-                        self.all_ready_at = time.time()
-                if name == "input" and self.signals and not self.hard:
-                    self._send("input", MsgType.STOP)
-                    self.stop_sent = True
-            elif msg.type == MsgType.RESULT:
-                self.results[name] = (msg.header, [f.bytes for f in msg.payload])
-            elif msg.type == MsgType.STATE and msg.header.get("state") == "ERROR":
-                self._fail(_rebuild_error(msg.header))
-            elif msg.type == MsgType.STATE and msg.header.get("state") == "TIMEOUT":
-                if name == "input":  # only the input watches for timeouts
-                    self._kill_worker(str(msg.header.get("worker")))
-                else:
-                    self.bad.record("unknown-peer", f"TIMEOUT from {name}, not the input")
-
-    def _sender(self, ident_frame: Any, msg: Any) -> str:
-        """The role that sent ``msg`` on ctl; raises ProtocolError for anyone else.
-
-        A HELLO registers the sender under its name if that name is a live child of
-        this run with the pid it says (and, over ipc, the pid the kernel says sent it);
-        every other message must come from the connection that said HELLO for its name.
-        """
-        ident = ident_frame.bytes
-        name = msg.header.get("name")
-        if type(name) is not str or len(name) > 64:
-            raise refuse("unknown-peer", f"{msg.type.name} on ctl without a role name")
-        if msg.type == MsgType.HELLO:
-            pid = field_int(msg.header, "pid", 1, 2**31)
-            sender = peer_pid(ident_frame)
-            if not self._is_role(name, pid) or (sender is not None and sender != pid):
-                raise refuse("unknown-peer", f"HELLO of {name!r} pid {pid}: not a role of the run")
-            self.ids[name] = ident
-            return name
-        if self.ids.get(name) != ident:
-            raise refuse("unknown-peer", f"{msg.type.name} of {name!r} from another connection")
-        return name
-
-    def _is_role(self, name: str, pid: int) -> bool:
-        """``name`` with ``pid`` is a role this run forked (a hosts run adds its remote
-        workers, whose pids live on other hosts)."""
-        return self.pids.get(pid) == name
-
-    def _send(self, role: str, kind: MsgType, header: dict[str, Any] | None = None) -> None:
-        ident = self.ids.get(role)
-        if ident is not None:
-            self.ctl.send_multipart([ident, *encode_message(kind, header)])
-
     def _handle_signals(self) -> None:
         if not self.signals:
             return
@@ -463,25 +396,3 @@ def _progress_total(split: SplitPath, max_events: int | None) -> int | None:
     if total is None:
         return max_events
     return total if max_events is None else min(total, max_events)
-
-
-def _rebuild_error(header: dict[str, Any]) -> EvflowError:
-    """The error a role reported, as one clear exception naming module and process."""
-    where = str(header.get("name", "?"))
-    if "module" in header:
-        cause_type = type(str(header.get("cause", "Exception")), (Exception,), {})
-        exc = ModuleError(
-            str(header["module"]),
-            str(header.get("hook", "?")),
-            header.get("uid"),
-            cause_type(str(header.get("cause_text", ""))),
-            str(header.get("traceback", "")),
-        )
-        exc.args = (f"{exc} (in the {where} process)",)
-        return exc
-    text = str(header.get("error", "unknown error"))
-    kind = getattr(errors, str(header.get("kind", "")), None)
-    if isinstance(kind, type) and issubclass(kind, EvflowError) and kind is not ModuleError:
-        with contextlib.suppress(Exception):
-            return kind(f"{text} (in the {where} process)")
-    return ConfigurationError(f"{text} (in the {where} process)")

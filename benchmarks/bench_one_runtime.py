@@ -6,7 +6,9 @@
 Every measurement runs in a fresh interpreter with ``PYTHONPATH`` set to one source tree
 (``--base``: e.g. a worktree of the commit before; ``--new``: this tree's ``src``), and
 the two trees alternate measurement by measurement (base, new, base, new, ...) so that
-both see the same load of a shared machine. Printed per tree, the median of the rounds:
+both see the same load of a shared machine. Both trees are byte-compiled first (with
+``PYTHONDONTWRITEBYTECODE`` set, a tree without ``__pycache__`` would pay the compile
+in every probe). Printed per tree, the median of the rounds:
 
 - start-up of 32 workers: seconds from ``run_parallel`` to the first event and to
   every worker's HELLO (the summary's own figures), and the whole process's wall time
@@ -21,6 +23,7 @@ both see the same load of a shared machine. Printed per tree, the median of the 
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
 import statistics
@@ -108,6 +111,8 @@ def main() -> None:
     args = parser.parse_args()
     rounds = args.rounds or (2 if args.quick else 3)
     trees = {"before": args.base, "after": args.new}
+    for src in trees.values():  # both with bytecode (PYTHONDONTWRITEBYTECODE may be set)
+        compileall.compile_dir(src, quiet=1)
     rows: dict[str, list[dict[str, float]]] = {k: [] for k in trees}
     for r in range(rounds):
         order = list(trees) if r % 2 == 0 else list(reversed(trees))

@@ -32,7 +32,8 @@ import selectors
 import signal
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from evflow.errors import ConfigurationError, EvflowError
@@ -187,6 +188,11 @@ class Supervisor(StoppingMixin):
     def fileno(self) -> int:
         """Readable when a child died: put it in your zmq.Poller, then call :meth:`poll`."""
         return self.zygote.fileno()
+
+    @property
+    def live(self) -> Mapping[int, ManagedProcess]:
+        """The running processes by pid (a read-only view, no copy: cheap to ask often)."""
+        return MappingProxyType(self._by_pid)
 
     def next_restart_in_s(self) -> float | None:
         """Seconds until the next scheduled restart (by ``clock``), None if none."""

@@ -19,6 +19,7 @@ import zmq
 
 from evflow import errors
 from evflow.errors import ConfigurationError, EvflowError, ModuleError, ProtocolError
+from evflow.runtime.supervisor import Supervisor
 from evflow.transport.security import peer_pid
 from evflow.wire.messages import BadMessageCounter, MsgType, encode_message, field_int, refuse
 
@@ -36,7 +37,7 @@ class ControlMixin:
     n_workers: int
     worker_hellos: int
     all_ready_at: float
-    pids: dict[int, str]
+    sup: Supervisor
     _fail: Callable[[EvflowError], None]  # (exitpolicy.py: stop the run with this error)
     _kill_worker: Callable[[str], None]  # (exitpolicy.py: a timeout's kill)
 
@@ -97,7 +98,8 @@ class ControlMixin:
     def _is_role(self, name: str, pid: int) -> bool:
         """``name`` with ``pid`` is a role this run forked (a hosts run adds its remote
         workers, whose pids live on other hosts)."""
-        return self.pids.get(pid) == name
+        proc = self.sup.live.get(pid)
+        return proc is not None and proc.label == name
 
     def _send(self, role: str, kind: MsgType, header: dict[str, Any] | None = None) -> None:
         ident = self.ids.get(role)

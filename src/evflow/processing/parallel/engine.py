@@ -247,7 +247,12 @@ class Parent(ControlMixin, ExitPolicy, RunSummaryMixin):
         sup = getattr(self, "sup", None)
         if sup is None:
             return {}
-        return {p.pid: p.label for p in sup.processes.values() if p.alive and p.pid}
+        return {pid: p.label for pid, p in sup.live.items()}
+
+    def _alive(self, role: str) -> bool:
+        """Whether the input or the output runs (cheap: the loop asks on every pass)."""
+        proc = self.sup.processes.get(role)
+        return proc is not None and proc.alive
 
     @property
     def restarts(self) -> int:  # type: ignore[override]
@@ -313,7 +318,7 @@ class Parent(ControlMixin, ExitPolicy, RunSummaryMixin):
         poller.register(self.ctl, zmq.POLLIN)
         poller.register(self.sup.fileno(), zmq.POLLIN)
         self._remote_poll(poller)
-        while self.pids:
+        while self.sup.live:
             due_s = self.sup.next_restart_in_s()
             poller.poll(100 if due_s is None else min(100, int(due_s * 1000) + 1))
             self._drain_ctl()
@@ -324,7 +329,7 @@ class Parent(ControlMixin, ExitPolicy, RunSummaryMixin):
             if self.bus is not None:
                 self.bus.tick()  # metrics once a second, answers check-state / get-run
             now = time.monotonic()
-            roles_done = "input" not in self.pids.values() and "output" not in self.pids.values()
+            roles_done = not self._alive("input") and not self._alive("output")
             if roles_done and not self.done_at:
                 self.done_at = now
             stuck = self.done_at and now - self.done_at > WORKER_EXIT_GRACE_S

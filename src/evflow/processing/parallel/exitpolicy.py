@@ -85,6 +85,7 @@ class ExitPolicy:
 
     budget: RestartBudget  # the workers' shared max_restarts
     pids: dict[int, str]  # (the parent's: live roles by pid)
+    _alive: Callable[[str], bool]  # (the parent's: whether the input/output runs)
     _send: Callable[..., None]  # (the parent's: a message to a role on ctl)
 
     # --- the roles as supervised processes --------------------------------------------
@@ -247,7 +248,7 @@ class ExitPolicy:
         if not self.backoff.pending:
             return
         ending = self.hard or self.error is not None or self.aborting_at
-        if ending or "input" not in self.pids.values():  # the input is done: no more events
+        if ending or not self._alive("input"):  # the input is done: no more events
             self.backoff.cancel(time.monotonic())  # scheduled, never forked
             self.restarts_cancelled += self.sup.cancel_restarts()  # (budget given back)
             return

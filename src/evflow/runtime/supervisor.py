@@ -14,6 +14,10 @@ at once through ``zygote.fileno()``, and every child dies with the supervisor.
   bus (RUNNING -> STOP -> RESET_TASK -> RESET_DEVICE -> END); a plain process gets
   SIGTERM. Whatever is still alive after ``grace_s`` gets SIGKILL. A second SIGINT
   SIGKILLs everything at once. The bus proxy (if any) stops last.
+- **Decisions**: a spec with a ``decide`` hook (processes.py) says per death what
+  happens: restart now, later (the supervisor holds the timer), with new arguments,
+  taking one of a group's shared :class:`RestartBudget`, or end, or give up. A path run
+  (processing/parallel/engine.py) keeps its policy there and leaves the mechanics here.
 - **Events**: :meth:`~Supervisor.on_exit` callbacks and :meth:`~Supervisor.poll` return
   an :class:`ExitEvent` for each death, as soon as it happens.
 - **Cleanup**: :meth:`~Supervisor.close` removes the session's ipc directory and its
@@ -28,17 +32,19 @@ import selectors
 import signal
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from types import FrameType
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from evflow.errors import ConfigurationError, EvflowError
-from evflow.runtime._devicestop import walk_down
+from evflow.runtime._supervisor_stop import StoppingMixin
 from evflow.runtime.processes import (
     RESTART_POLICIES,
+    Decision,
     ExitEvent,
     ManagedProcess,
     ProcessSpec,
+    RestartBudget,
     describe_exit,
 )
 from evflow.runtime.zygote import Zygote
@@ -47,9 +53,11 @@ from evflow.transport.paths import remove_session_files
 __all__ = [
     "BUS_PROCESS",
     "RESTART_POLICIES",
+    "Decision",
     "ExitEvent",
     "ManagedProcess",
     "ProcessSpec",
+    "RestartBudget",
     "Supervisor",
     "describe_exit",
 ]
@@ -60,7 +68,7 @@ log = logging.getLogger("evflow.supervisor")
 BUS_PROCESS = "bus"
 
 
-class Supervisor:
+class Supervisor(StoppingMixin):
     """Per-host process manager. See the module docstring.
 
     Call :meth:`start` before creating any zmq context in this process (it forks the
@@ -87,6 +95,7 @@ class Supervisor:
         self._stopping = False
         self._fast = False
         self._signals = 0
+        self.signals: list[int] = []  # the signals received, in order
         self._stopping_requested = False
         self._want_bus = bus
         # the proxy's (XSUB, XPUB) channel addresses; ";" adds endpoints, e.g.
@@ -156,8 +165,10 @@ class Supervisor:
 
     def _launch(self, proc: ManagedProcess) -> None:
         spec = proc.spec
+        if spec.before_launch is not None:
+            spec.before_launch(proc)
         if spec.target is not None:
-            pid = self.zygote.spawn(spec.target, *spec.args, name=spec.name)
+            pid = self.zygote.spawn(spec.target, *proc.args, name=proc.label)
         else:
             assert spec.argv is not None
             pid = self.zygote.spawn_exec(spec.argv, env=spec.env, cwd=spec.cwd, name=spec.name)
@@ -166,6 +177,8 @@ class Supervisor:
         proc.started_at_s = self.clock()
         proc.pids.append(pid)
         self._by_pid[pid] = proc
+        if spec.after_launch is not None:
+            spec.after_launch(proc)
 
     # --- events --------------------------------------------------------------------
     def on_exit(self, callback: Callable[[ExitEvent], None]) -> None:
@@ -175,6 +188,11 @@ class Supervisor:
     def fileno(self) -> int:
         """Readable when a child died: put it in your zmq.Poller, then call :meth:`poll`."""
         return self.zygote.fileno()
+
+    @property
+    def live(self) -> Mapping[int, ManagedProcess]:
+        """The running processes by pid (a read-only view, no copy: cheap to ask often)."""
+        return MappingProxyType(self._by_pid)
 
     def next_restart_in_s(self) -> float | None:
         """Seconds until the next scheduled restart (by ``clock``), None if none."""
@@ -191,7 +209,21 @@ class Supervisor:
             with selectors.DefaultSelector() as sel:
                 sel.register(self.zygote.fileno(), selectors.EVENT_READ)
                 sel.select(wait_s)
-        events = [self._handle_exit(pid, rc) for pid, rc in self.zygote.exits()]
+        events = self.reap()
+        events += self.launch_due()
+        for event in events:
+            for callback in self._callbacks:
+                callback(event)
+        return events
+
+    def reap(self) -> list[ExitEvent]:
+        """Handle the deaths noticed so far (never blocks; no callbacks): a ``decide``
+        hook's immediate restart is forked here, a delayed one by :meth:`launch_due`."""
+        return [self._handle_exit(pid, rc) for pid, rc in self.zygote.exits()]
+
+    def launch_due(self) -> list[ExitEvent]:
+        """Fork the restarts whose backoff is over (no callbacks); failed ones as events."""
+        events: list[ExitEvent] = []
         now = self.clock()
         for proc in sorted(self.processes.values(), key=lambda p: p.order):
             if proc.state == "backoff" and proc.restart_at_s is not None:
@@ -205,14 +237,29 @@ class Supervisor:
                         proc.restarts,
                         proc.spec.max_restarts,
                     )
+                    proc.budgeted = False
                     try:
                         self._launch(proc)
                     except EvflowError as exc:
                         events.append(self._fail(proc, proc.pid or 0, -1, f"restart failed: {exc}"))
-        for event in events:
-            for callback in self._callbacks:
-                callback(event)
         return events
+
+    def cancel_restarts(self) -> int:
+        """Drop every restart still waiting for its backoff (e.g. the work is over);
+        each gives its restart back to its budget. Returns how many were dropped."""
+        n = 0
+        for proc in self.processes.values():
+            if proc.state == "backoff":
+                proc.state, proc.restart_at_s = "stopped", None
+                if proc.budgeted and proc.spec.budget is not None:
+                    proc.spec.budget.used -= 1
+                proc.budgeted = False
+                n += 1
+        return n
+
+    def waiting(self) -> list[ManagedProcess]:
+        """Processes waiting for a delayed restart."""
+        return [p for p in self.processes.values() if p.state == "backoff"]
 
     def _handle_exit(self, pid: int, returncode: int) -> ExitEvent:
         proc = self._by_pid.pop(pid, None)
@@ -226,6 +273,8 @@ class Supervisor:
         if self._stopping:
             proc.state = "stopped"
             return ExitEvent(proc.name, pid, returncode, "stopped", proc.restarts, what, now)
+        if spec.decide is not None:
+            return self._decided(proc, pid, returncode, what, now)
         if returncode == 0:
             proc.state = "done"
             return ExitEvent(proc.name, pid, 0, "done", proc.restarts, what, now)
@@ -243,6 +292,40 @@ class Supervisor:
         proc.state, proc.restart_at_s = "backoff", now + delay
         message = f"{what}; restarting in {delay:.3g} s"
         log.warning("%s", message)
+        return ExitEvent(proc.name, pid, returncode, "restarting", proc.restarts, message, now)
+
+    def _decided(
+        self, proc: ManagedProcess, pid: int, returncode: int, what: str, now: float
+    ) -> ExitEvent:
+        """A death of a process with a ``decide`` hook: carry out what the hook says.
+
+        An immediate restart is forked here, before the next death is looked at; a
+        failing fork raises (the caller's run cannot go on without its process).
+        """
+        decision = proc.spec.decide(proc, returncode)  # type: ignore[misc]
+        if decision.action == "end":
+            proc.state = "done" if returncode == 0 else "ended"
+            outcome = proc.state
+            return ExitEvent(proc.name, pid, returncode, outcome, proc.restarts, what, now)
+        if decision.action != "restart":
+            return self._fail(proc, pid, returncode, decision.message or what)
+        budget = proc.spec.budget
+        if decision.counts and budget is not None:
+            if budget.left <= 0:
+                return self._fail(
+                    proc, pid, returncode, f"{what}; the group's {budget.limit} restarts are spent"
+                )
+            budget.used += 1
+        if decision.args is not None:
+            proc.args = decision.args
+        if decision.delay_s > 0.0:
+            proc.state, proc.restart_at_s = "backoff", now + decision.delay_s
+            proc.budgeted = decision.counts and budget is not None
+            message = f"{what}; restarting in {decision.delay_s:.3g} s"
+        else:
+            proc.restarts += 1
+            self._launch(proc)
+            message = f"{what}; restarted (pid {proc.pid})"
         return ExitEvent(proc.name, pid, returncode, "restarting", proc.restarts, message, now)
 
     def _fail(self, proc: ManagedProcess, pid: int, returncode: int, message: str) -> ExitEvent:
@@ -277,124 +360,9 @@ class Supervisor:
             if p.name != BUS_PROCESS
         )
 
-    # --- running and shutting down -------------------------------------------------
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self._signals += 1
-        if self._signals > 1:
-            self._fast = True  # the second signal: no more waiting
-        self._stopping_requested = True
-
-    @property
-    def shutdown_requested(self) -> bool:
-        """True once SIGINT/SIGTERM arrived (with :meth:`install_signal_handlers`)."""
-        return self._stopping_requested
-
-    def install_signal_handlers(self) -> Callable[[], None]:
-        """Handle SIGINT/SIGTERM: the first sets :attr:`shutdown_requested`, a second
-        makes a running :meth:`shutdown` fast. Returns a function that restores the old
-        handlers. Main thread only; :meth:`run` does this for you."""
-        previous = {
-            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
-        }
-
-        def restore() -> None:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-        return restore
-
-    def run(self, install_signals: bool = True, poll_s: float = 0.1) -> int:
-        """Supervise until every process ended; shut down on SIGINT/SIGTERM.
-
-        Returns 0, or 1 if a process failed (its message was logged). Main thread only
-        when ``install_signals``.
-        """
-        restore = self.install_signal_handlers() if install_signals else None
-        try:
-            self.start()
-            while self.active and not self._stopping_requested:
-                self.poll(poll_s)
-            if self._stopping_requested:
-                self.shutdown()
-        finally:
-            if restore is not None:
-                restore()
-            self.close()
-        return 1 if self.failed else 0
-
-    def shutdown(self, fast: bool = False) -> None:
-        """Stop everything: group by group in ``stop_order`` (see the module docstring)."""
-        self._stopping = True
-        self._fast = self._fast or fast
-        self.poll(0)
-        groups: dict[int, list[ManagedProcess]] = {}
-        for proc in self.processes.values():
-            key = proc.spec.stop_order if proc.spec.stop_order is not None else proc.order
-            groups.setdefault(key, []).append(proc)
-        for key in sorted(groups):
-            self._stop_group(groups[key])
-
-    def _stop_group(self, group: list[ManagedProcess]) -> None:
-        """SIGTERM plain processes, walk devices down over the bus, SIGKILL the rest."""
-        alive = [p for p in group if p.alive]
-        if not alive:
-            return
-        if not self._fast:
-            devices = [p for p in alive if p.spec.device_id and self._want_bus]
-            for proc in alive:
-                if proc not in devices and proc.pid is not None:
-                    log.info("stopping %s (pid %d): SIGTERM", proc.name, proc.pid)
-                    self.zygote.kill(proc.pid, signal.SIGTERM)
-            for proc in devices:  # one after the other, each within its own grace
-                self._stop_device(proc, time.monotonic() + proc.spec.grace_s)
-            deadline = time.monotonic() + max(p.spec.grace_s for p in alive)
-            self._wait(alive, deadline)
-            late = [p for p in devices if p.alive and p.pid is not None]
-            for proc in late:  # did not finish over the bus: the runner's own SIGTERM path
-                log.warning("device %s did not stop over the bus: SIGTERM", proc.name)
-                self.zygote.kill(proc.pid, signal.SIGTERM)  # type: ignore[arg-type]
-            if late:
-                self._wait(late, time.monotonic() + 1.0)
-        for proc in alive:
-            if proc.alive and proc.pid is not None:
-                how = log.info if self._fast else log.warning
-                how("%s (pid %d) still alive: SIGKILL", proc.name, proc.pid)
-                self.zygote.kill(proc.pid, signal.SIGKILL)
-        self._wait(alive, time.monotonic() + 5.0, stop_on_fast=False)
-
-    def _wait(
-        self, procs: list[ManagedProcess], deadline_s: float, stop_on_fast: bool = True
-    ) -> None:
-        while any(p.alive for p in procs) and time.monotonic() < deadline_s:
-            if stop_on_fast and self._fast:
-                return
-            self.poll(0.05)
-
-    def _stop_device(self, proc: ManagedProcess, deadline_s: float) -> None:
-        """Walk a device down FairMQ's shutdown sequence over the bus (see _devicestop)."""
-        walk_down(
-            self._bus_controller(),
-            str(proc.spec.device_id),
-            deadline_s,
-            poll=self.poll,
-            alive=lambda: proc.alive,
-            fast=lambda: self._fast,
-        )
-
-    def _bus_controller(self) -> Any:
-        if self._controller is None:
-            import zmq
-
-            from evflow.runtime.bus import BusController
-
-            self._context = zmq.Context()
-            self._controller = BusController(
-                self._context, self.bus_endpoints, name=f"supervisor-{os.getpid()}"
-            )
-        return self._controller
-
-    def close(self) -> None:
-        """Stop what still runs (fast), the zygote, and remove the session's ipc and shm."""
+    def close(self, cleanup: bool = True) -> None:
+        """Stop what still runs (fast), the zygote, and remove the session's ipc and shm
+        (``cleanup=False``: the caller calls :meth:`cleanup` once its sockets closed)."""
         if any(p.alive for p in self.processes.values()):
             self.shutdown(fast=True)
         if self._controller is not None:
@@ -402,9 +370,11 @@ class Supervisor:
             self._context.term()
             self._controller = self._context = None
         if self.zygote.pid is not None and self.zygote.alive:
+            self._stopping = True  # what the zygote's stop reaps is not restarted
             for pid, rc in self.zygote.stop(grace_s=0.5):
                 self._handle_exit(pid, rc)
-        self.cleanup()
+        if cleanup:
+            self.cleanup()
 
     def cleanup(self) -> None:
         """Remove the session's ipc directory and shared-memory segments."""

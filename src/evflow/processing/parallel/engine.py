@@ -1,14 +1,18 @@
 """The calling process of a parallel run: start the roles, watch them, stop them.
 
 The caller (the process running the steering file) keeps the split path in
-``state``, starts a zygote *before* it creates any zmq context, then forks the
-output, the input and N workers from it. It holds the ``ctl`` ROUTER every role
+``state`` and starts the runtime's :class:`~evflow.runtime.supervisor.Supervisor`
+*before* it creates any zmq context: its zygote forks the input, N workers and the
+output, it reaps them, kills them and restarts them, and it relays SIGINT/SIGTERM to
+``self.signals``, as for any device of a topology. What a death means is the path's
+policy, given to the supervisor as each role's ``decide`` hook (exitpolicy.py); the
+summary is built by runsummary.py. The caller holds the ``ctl`` ROUTER every role
 reports to (HELLO, STATE ERROR, RESULT) and reacts to:
 
 - a child's exit (the zygote's notice fd wakes the poll at once): a worker that dies
   unasked is reported to the input (WORKER_LOST: its unconfirmed batches are sent
   again) and replaced by a fresh fork, up to ``max_restarts``; a dead input or output
-  stops the run with a clear error;
+  is restarted when it can be, else it stops the run with a clear error;
 - SIGINT/SIGTERM: the first asks the input to STOP reading (in-flight events finish
   and are written, files close, KeyboardInterrupt / exit 143 afterwards); a second
   kills the workers and tells the output to close its files now.
@@ -16,51 +20,45 @@ reports to (HELLO, STATE ERROR, RESULT) and reacts to:
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import os
 import secrets
 import signal
 import sys
-import threading
 import time
 from typing import Any
 
 import zmq
 
-from evflow import errors
 from evflow.errors import (
     ConfigurationError,
     EvflowError,
-    ModuleError,
     PeerLostError,
-    ProtocolError,
 )
 from evflow.monitor import runhook
 from evflow.monitor.console import is_terminal
 from evflow.processing.chain import output_files
-from evflow.processing.failures import groups_from
 from evflow.processing.options import ProcessOptions
 from evflow.processing.parallel import checkpoint, scoreboard, state, statsboard
 from evflow.processing.parallel.common import channel
+from evflow.processing.parallel.control import ControlMixin
+from evflow.processing.parallel.exitpolicy import ExitPolicy
 from evflow.processing.parallel.input import input_main
 from evflow.processing.parallel.notices import say as _say
 from evflow.processing.parallel.notices import stopping_line, warn_many_workers
 from evflow.processing.parallel.output import output_main
-from evflow.processing.parallel.persist import decode_persistent
-from evflow.processing.parallel.restarts import RestartPolicy, output_restart_refusal
+from evflow.processing.parallel.restarts import RestartPolicy
+from evflow.processing.parallel.runsummary import RunSummaryMixin
 from evflow.processing.parallel.split import SplitPath
-from evflow.processing.parallel.worker import EXIT_RECYCLE, worker_main
 from evflow.processing.statistics import ModuleStatistics
 from evflow.processing.summary import RunSummary
 from evflow.runtime.bus import BusProxy
 from evflow.runtime.busclient import BusClient
-from evflow.runtime.zygote import Zygote
+from evflow.runtime.supervisor import RestartBudget, Supervisor
 from evflow.transport import security
-from evflow.transport.paths import remove_session_files
-from evflow.transport.security import RunAuth, peer_pid
+from evflow.transport.security import RunAuth
 from evflow.transport.sessions import claim_session, remove_stale_sessions
-from evflow.wire.messages import BadMessageCounter, MsgType, encode_message, field_int, refuse
+from evflow.wire.messages import BadMessageCounter, MsgType
 
 #: after the input and output are done, workers get this long to exit on their own (s)
 WORKER_EXIT_GRACE_S = 5.0
@@ -72,17 +70,7 @@ ABORT_GRACE_S = 5.0
 STOP_GRACE_S = 30.0
 
 
-def describe_exit(code: int) -> str:
-    """``exit code 3`` or ``signal 9 (SIGKILL)``."""
-    if code < 0:
-        try:
-            return f"signal {-code} ({signal.Signals(-code).name})"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit code {code}"
-
-
-class Parent:
+class Parent(ControlMixin, ExitPolicy, RunSummaryMixin):
     """Runs one parallel path; ``run()`` returns the RunSummary or raises."""
 
     def __init__(self, split: SplitPath, options: ProcessOptions) -> None:
@@ -91,6 +79,7 @@ class Parent:
         self.n_workers = max(1, options.workers)
         extra = options.extra or {}
         self.max_restarts = int(extra.get("max_restarts", 2 * self.n_workers + 2))
+        self.budget = RestartBudget(self.max_restarts)  # shared by the worker slots
         self.backoff = RestartPolicy.from_options(extra)  # crash loops: delayed forks
         self.role_options = {
             "max_events": options.max_events,
@@ -126,7 +115,6 @@ class Parent:
         self.restarts_cancelled = 0  # delayed replacements the end of the run made needless
         self.max_output_restarts = int(extra.get("max_output_restarts", 3))
         self.session = f"par-{os.getpid()}-{secrets.token_hex(3)}"
-        self.pids: dict[int, str] = {}  # live children: pid -> role name
         self.ids: dict[str, bytes] = {}  # role name -> ctl routing id
         self.results: dict[str, tuple[dict[str, Any], list[Any]]] = {}
         self.error: EvflowError | None = None
@@ -136,7 +124,6 @@ class Parent:
         self.stop_deadline = 0.0  # monotonic time the first interrupt's grace ends
         self.hard = False
         self.aborting_at = 0.0
-        self.restarts = 0
         self.lost: list[str] = []
         self.generation: dict[int, int] = {}
         self.done_at = 0.0
@@ -163,12 +150,15 @@ class Parent:
             self.n_workers, [m.name for m in self.split.worker]
         )
         statsboard.install(self.stats_board)
-        restore = self._install_signals()
+        # the runtime's supervisor forks, reaps, kills and restarts every role
+        self.sup = Supervisor(self.session)
+        self.sup.signals = self.signals  # SIGINT/SIGTERM: what _handle_signals reads
+        restore = self.sup.install_signal_handlers(keep_ignored=True)
         remove_stale_sessions()  # left by runs killed with kill -9 (their owner is gone)
         _preload(self.split)
-        zygote = Zygote().start()  # before any zmq context in this process
+        self.sup.start()  # its zygote: before any zmq context in this process
         if self.ipc_auth:
-            self.auth = RunAuth.generate(zygote_pid=zygote.pid or 0)
+            self.auth = RunAuth.generate(zygote_pid=self.sup.zygote.pid or 0)
             self.role_options["auth"] = self.auth
         ctx: zmq.Context[Any] | None = None
         ctl = None
@@ -188,7 +178,7 @@ class Parent:
                 ctl = channel(ctx, self.session, "ctl", "router", "bind")
             finally:
                 security.install(None)
-            self.zygote, self.ctl = zygote, ctl.socket
+            self.ctl = ctl.socket
             # the run's control bus: `evflow ctl` finds it in the session directory
             proxy = BusProxy(ctx, self.session)
             proxy.start_thread()
@@ -199,19 +189,15 @@ class Parent:
             self.monitor = runhook.on_bus(proxy.endpoints, self._monitor_info)
             self._remote_start(ctx)  # hosts runs: agents on other hosts (farm.py)
             # the first event needs the input and a worker; the output only its result
-            self.pids[zygote.spawn(input_main, self.session, self.role_options, name="input")] = (
-                "input"
-            )
+            self.sup.add(self._role_spec("input", input_main))
             for i in range(self.n_workers):
                 self._spawn_worker(i)
-            self.pids[zygote.spawn(output_main, self.session, self.role_options, name="output")] = (
-                "output"
-            )
+            self.sup.add(self._role_spec("output", output_main))
             self._loop()
             wall_s = time.monotonic() - start
         finally:
             self._remote_stop()
-            zygote.stop(grace_s=0.5)
+            self.sup.close(cleanup=False)  # (nothing runs here unless the loop raised)
             ok = self.error is None and not self.signals
             runhook.on_end(self.monitor, ok=ok, cut=self._linger_cut)
             if self.bus is not None:
@@ -225,7 +211,7 @@ class Parent:
                 zap.close()
             if ctx is not None:
                 ctx.term()
-            remove_session_files(self.session)  # ipc files and shared-memory segments
+            self.sup.cleanup()  # the session's ipc files and shared-memory segments
             state.set_current(None)
             scoreboard.install(None)
             self.board.close()
@@ -254,6 +240,28 @@ class Parent:
         if self.role_options.get("checkpoint"):  # complete: nothing left to resume
             checkpoint.CheckpointFile(str(self.role_options["checkpoint"])).remove()
         return summary
+
+    @property
+    def pids(self) -> dict[int, str]:  # type: ignore[override]
+        """The live roles: pid -> name (a worker's name changes with each fork)."""
+        sup = getattr(self, "sup", None)
+        if sup is None:
+            return {}
+        return {pid: p.label for pid, p in sup.live.items()}
+
+    def _alive(self, role: str) -> bool:
+        """Whether the input or the output runs (cheap: the loop asks on every pass)."""
+        proc = self.sup.processes.get(role)
+        return proc is not None and proc.alive
+
+    @property
+    def restarts(self) -> int:  # type: ignore[override]
+        """Workers replaced so far (the supervisor's budget; a hosts run adds its own)."""
+        return self.budget.used
+
+    @restarts.setter
+    def restarts(self, value: int) -> None:
+        self.budget.used = value
 
     def _bus_state(self) -> str:
         if self.error is not None:
@@ -291,41 +299,6 @@ class Parent:
         self.signals.clear()
         return True
 
-    def _install_signals(self) -> Any:
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-        old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-        # never over an ignored signal: a run started in the background (nohup, `&` in a
-        # non-interactive shell) must not stop on the terminal's Ctrl-C
-        old = {s: h for s, h in old.items() if h is not signal.SIG_IGN}
-        for s in old:
-            signal.signal(s, self._on_signal)
-
-        def restore() -> None:
-            for s, handler in old.items():
-                signal.signal(s, handler)
-
-        return restore
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        self.signals.append(signum)
-
-    def _worker_name(self, index: int) -> str:
-        """The name the next worker forked for slot ``index`` gets."""
-        return scoreboard.worker_name(index, self.generation.get(index, 0))
-
-    def _spawn_worker(self, index: int) -> None:
-        name = self._worker_name(index)
-        self.generation[index] = self.generation.get(index, 0) + 1
-        buffer = self.options.event_buffer
-        limit_mb = float((self.options.extra or {}).get("worker_memory_limit_mb", 0.0))
-        stale = self.board.read(index).batch  # the worker before's, still in the slot
-        pid = self.zygote.spawn(
-            worker_main, self.session, name, buffer, limit_mb, self.auth, name=name
-        )
-        self.pids[pid] = name
-        self.backoff.spawned(index, time.monotonic(), stale)
-
     # hooks of a run whose workers are on other hosts (farm.py); nothing here
     def _remote_start(self, ctx: zmq.Context[Any]) -> None:
         pass
@@ -343,29 +316,27 @@ class Parent:
     def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self.ctl, zmq.POLLIN)
-        poller.register(self.zygote.fileno(), zmq.POLLIN)
+        poller.register(self.sup.fileno(), zmq.POLLIN)
         self._remote_poll(poller)
-        while self.pids:
-            due_s = self.backoff.next_due_in_s(time.monotonic())
+        while self.sup.live:
+            due_s = self.sup.next_restart_in_s()
             poller.poll(100 if due_s is None else min(100, int(due_s * 1000) + 1))
             self._drain_ctl()
-            for pid, code in self.zygote.exits():
-                self._exited(pid, code)
+            self.sup.reap()  # the roles' decide hooks (exitpolicy.py) say what a death means
             self._handle_signals()
             self._tend_backoff()
             self._remote_tick()
             if self.bus is not None:
                 self.bus.tick()  # metrics once a second, answers check-state / get-run
             now = time.monotonic()
-            roles_done = "input" not in self.pids.values() and "output" not in self.pids.values()
+            roles_done = not self._alive("input") and not self._alive("output")
             if roles_done and not self.done_at:
                 self.done_at = now
             stuck = self.done_at and now - self.done_at > WORKER_EXIT_GRACE_S
             late = self.aborting_at and now - self.aborting_at > ABORT_GRACE_S
             if stuck or late:
                 for pid in list(self.pids):
-                    with contextlib.suppress(EvflowError):
-                        self.zygote.kill(pid, signal.SIGKILL)
+                    self._kill(pid)
                 self.aborting_at = self.done_at = now  # and wait for the exits
         # a role sends its RESULT just before it exits; under load the exit can be seen
         # first and the loop end with the RESULT still queued: wait for it briefly
@@ -373,225 +344,6 @@ class Parent:
         while time.monotonic() < deadline and not {"input", "output"} <= set(self.results):
             if self.ctl.poll(50):
                 self._drain_ctl()
-
-    def _drain_ctl(self) -> None:
-        while True:
-            try:
-                frames = self.ctl.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            msg = self.bad.decode(frames[1:])
-            if msg is None:
-                continue
-            try:
-                name = self._sender(frames[0], msg)
-            except ProtocolError as exc:
-                self.bad.record_error(exc)
-                continue
-            if msg.type == MsgType.HELLO:
-                if name.startswith("worker"):
-                    self.worker_hellos += 1
-                    if self.worker_hellos == self.n_workers:
-                        self.all_ready_at = time.time()
-                if name == "input" and self.signals and not self.hard:
-                    self._send("input", MsgType.STOP)
-                    self.stop_sent = True
-            elif msg.type == MsgType.RESULT:
-                self.results[name] = (msg.header, [f.bytes for f in msg.payload])
-            elif msg.type == MsgType.STATE and msg.header.get("state") == "ERROR":
-                self._fail(_rebuild_error(msg.header))
-            elif msg.type == MsgType.STATE and msg.header.get("state") == "TIMEOUT":
-                if name == "input":  # only the input watches for timeouts
-                    self._kill_worker(str(msg.header.get("worker")))
-                else:
-                    self.bad.record("unknown-peer", f"TIMEOUT from {name}, not the input")
-
-    def _sender(self, ident_frame: Any, msg: Any) -> str:
-        """The role that sent ``msg`` on ctl; raises ProtocolError for anyone else.
-
-        A HELLO registers the sender under its name if that name is a live child of
-        this run with the pid it says (and, over ipc, the pid the kernel says sent it);
-        every other message must come from the connection that said HELLO for its name.
-        """
-        ident = ident_frame.bytes
-        name = msg.header.get("name")
-        if type(name) is not str or len(name) > 64:
-            raise refuse("unknown-peer", f"{msg.type.name} on ctl without a role name")
-        if msg.type == MsgType.HELLO:
-            pid = field_int(msg.header, "pid", 1, 2**31)
-            sender = peer_pid(ident_frame)
-            if not self._is_role(name, pid) or (sender is not None and sender != pid):
-                raise refuse("unknown-peer", f"HELLO of {name!r} pid {pid}: not a role of the run")
-            self.ids[name] = ident
-            return name
-        if self.ids.get(name) != ident:
-            raise refuse("unknown-peer", f"{msg.type.name} of {name!r} from another connection")
-        return name
-
-    def _is_role(self, name: str, pid: int) -> bool:
-        """``name`` with ``pid`` is a role this run forked (a hosts run adds its remote
-        workers, whose pids live on other hosts)."""
-        return self.pids.get(pid) == name
-
-    def _send(self, role: str, kind: MsgType, header: dict[str, Any] | None = None) -> None:
-        ident = self.ids.get(role)
-        if ident is not None:
-            self.ctl.send_multipart([ident, *encode_message(kind, header)])
-
-    def _kill_worker(self, name: str) -> None:
-        """The input saw no progress from ``name`` for event_timeout_s: kill it."""
-        for pid, role in self.pids.items():
-            if role == name:
-                self.timed_out.add(pid)
-                with contextlib.suppress(EvflowError):
-                    self.zygote.kill(pid, signal.SIGKILL)
-
-    def _exited(self, pid: int, code: int) -> None:
-        name = self.pids.pop(pid, None)
-        if name is not None and name.startswith("worker") and code != 0:
-            # what it did up to its last finished batch, if no RESULT comes (killed)
-            self.slot_stats[name] = self.stats_board.read(scoreboard.slot_of(name), name)
-        if name is None or code == 0 or self.aborting_at:
-            return
-        if code == EXIT_RECYCLE and name.startswith("worker") and not self.hard:
-            self.recycled += 1  # over worker_memory_limit_mb after its event: a fresh fork
-            self._spawn_worker(int(name.split("-")[1].split(".")[0]))
-            return
-        if not name.startswith("worker"):
-            if name in self.results and "aborted" not in self.results[name][0]:
-                return
-            refusal = output_restart_refusal(self.split.output) if name == "output" else None
-            if refusal:  # e.g. ROOT output: say why at once rather than fail the restart
-                self._fail(
-                    PeerLostError(
-                        f"the output process (pid {pid}) died with {describe_exit(code)}; "
-                        f"the run is stopped: {refusal}"
-                    )
-                )
-                return
-            if name == "output" and self._restart_output(pid, code):
-                return
-            if name == "input" and self._restart_input():
-                return
-            resume = " (continue it with --resume)" if self.role_options.get("checkpoint") else ""
-            self._fail(
-                PeerLostError(
-                    f"the {name} process (pid {pid}) died with {describe_exit(code)}; "
-                    f"the run is stopped (files written so far are closed){resume}"
-                )
-            )
-            return
-        if self.hard or self.error is not None:
-            return
-        self.lost.append(name)
-        index = scoreboard.slot_of(name)
-        reading = self.board.read(index)  # which event it died on (or between events)
-        self.backoff.observe(index, reading.state, reading.uid, reading.batch)
-        # backoff: only crashes count; SIGKILL/SIGTERM come from outside or for a timeout
-        crashed = code not in (-signal.SIGKILL, -signal.SIGTERM)
-        if self.restarts >= self.max_restarts:
-            streak = self.backoff.died(index, time.monotonic(), crashed)
-            self._fail(
-                PeerLostError(
-                    f"{name} (pid {pid}) died with {describe_exit(code)}; {self.restarts} "
-                    f"workers were already replaced (limit max_restarts={self.max_restarts}); "
-                    f"the run is stopped. {self.backoff.limit_hint(streak)}"
-                )
-            )
-            return
-        self.restarts += 1
-        lost = {"name": name, "pid": pid, "code": code}
-        if pid in self.timed_out:
-            lost["reason"] = "timeout"
-        lost["blame"] = reading.state
-        if reading.state == scoreboard.BUSY:
-            lost["uid"] = reading.uid
-        self.board.clear(index)  # before the replacement exists: nobody else writes it
-        # backoff: a streak of workers dying before finishing an event delays the fork
-        at_once = self.backoff.replace(index, time.monotonic(), crashed) == 0.0
-        if at_once:  # the input waits for its HELLO before it ends the run (or it is orphaned)
-            lost["replacement"] = self._worker_name(index)
-        self._send("input", MsgType.WORKER_LOST, lost)
-        if at_once:
-            self._spawn_worker(index)
-
-    def _tend_backoff(self) -> None:
-        """Watch new workers finish events; fork the replacements whose backoff is over
-        (none once the run is ending)."""
-        for i in self.backoff.watching():
-            reading = self.board.read(i)
-            self.backoff.observe(i, reading.state, reading.uid, reading.batch)
-        if not self.backoff.pending:
-            return
-        ending = self.hard or self.error is not None or self.aborting_at
-        if ending or "input" not in self.pids.values():  # the input is done: no more events
-            cancelled = self.backoff.cancel(time.monotonic())  # scheduled, never forked
-            self.restarts -= cancelled
-            self.restarts_cancelled += cancelled
-            return
-        for index in self.backoff.pop_due(time.monotonic()):
-            self._spawn_worker(index)
-
-    def _restart_output(self, pid: int, code: int) -> bool:
-        """Reliability: a dead output is forked again; it reopens its files, rebuilds the
-        set of uids they hold, and the input sends every unconfirmed event again."""
-        if self.hard or self.error is not None:
-            return False
-        if self.output_restarts >= self.max_output_restarts:
-            return False
-        self.output_restarts += 1
-        options = {**self.role_options, "restart": True}
-        self.pids[self.zygote.spawn(output_main, self.session, options, name="output")] = "output"
-        return True
-
-    def _restart_input(self) -> bool:
-        """Reliability: a dead input is forked again and reads from the checkpoint.
-
-        The workers hold messages of the dead input and are unknown to the new one, so
-        they are replaced too; the output drops what it already wrote (dedup) and says
-        HELLO to the new input. Needs a checkpoint (an output file); --ordered: the new
-        input numbers its events from the checkpoint's seq, as the output expects.
-        """
-        ckpt = self.role_options.get("checkpoint")
-        if self.hard or self.error is not None or not ckpt:
-            return False
-        if self.input_restarts >= self.max_input_restarts:
-            return False
-        cp = checkpoint.CheckpointFile(str(ckpt)).load()
-        start = cp.position if cp else int(self.role_options.get("start_position") or 0)
-        seq = int(self.role_options.get("start_seq") or 0)
-        seq = int(cp.counts.get("seq", seq)) if cp else seq
-        self.input_restarts += 1
-        for pid, name in list(self.pids.items()):
-            if name.startswith("worker"):
-                with contextlib.suppress(EvflowError):
-                    self.zygote.kill(pid, signal.SIGKILL)
-        options = {
-            **self.role_options,
-            "start_position": start,
-            "start_seq": seq,
-            "input_restart": True,  # checkpoint soon: repeated kills must not redo work
-        }
-        self.pids[self.zygote.spawn(input_main, self.session, options, name="input")] = "input"
-        self._send("output", MsgType.HELLO)  # the output introduces itself to the new input
-        return True
-
-    def _fail(self, error: EvflowError) -> None:
-        """Stop everything: the first error is the one the caller sees."""
-        if self.error is None:
-            self.error = error
-        self._abort()
-
-    def _abort(self) -> None:
-        if self.aborting_at:
-            return
-        self.aborting_at = time.monotonic()
-        for pid, name in list(self.pids.items()):
-            if name.startswith("worker"):
-                with contextlib.suppress(EvflowError):
-                    self.zygote.kill(pid, signal.SIGKILL)
-        self._send("output", MsgType.KILL)
-        self._send("input", MsgType.KILL)
 
     def _handle_signals(self) -> None:
         if not self.signals:
@@ -622,130 +374,6 @@ class Parent:
         busy = sum(1 for i in range(self.n_workers) if self.board.read(i).state == scoreboard.BUSY)
         _say(stopping_line(self.signals[0], self.stop_grace_s, busy))
 
-    # --- the summary ----------------------------------------------------------------------
-    def _unwritten(self, inp: dict[str, Any]) -> int:
-        """Events the input sent that the output never accounted for (its own count).
-
-        The ledger's figure trusts CONFIRMs; this one checks it against what the
-        output reports written, dropped or quarantined. Exact only for one input and one
-        output over the whole run (restarts and resumes split the counts): else 0.
-        """
-        out = self.results.get("output", ({}, []))[0]
-        if self.input_restarts or self.output_restarts or self.role_options.get("start_position"):
-            return 0
-        if out.get("already_written"):
-            return 0
-        expected = int(inp.get("read", 0)) - int(inp.get("dropped", 0))
-        fates = sum(int(out.get(k, 0)) for k in ("written", "dropped", "quarantined"))
-        return max(0, expected - fates)
-
-    def _summary(self, wall_s: float) -> RunSummary:
-        inp = self.results.get("input", ({}, []))[0]
-        out_header, out_payload = self.results.get("output", ({}, []))
-        rows: list[ModuleStatistics] = []
-        # workers killed before their RESULT: their rows from the stats board
-        killed = {n: r for n, r in self.slot_stats.items() if n not in self.results and r}
-        for role in sorted([*self.results, *killed], key=_role_order):
-            if role in killed:
-                rows.extend(killed[role])
-                continue
-            for d in self.results[role][0].get("stats", []):
-                rows.append(ModuleStatistics.from_dict(d))
-        persistent: dict[str, Any] = {}
-        if out_payload:
-            persistent = decode_persistent(out_payload[0], out_payload[1:])
-        counters: dict[str, int | float] = {
-            "duplicates dropped": int(out_header.get("duplicates", 0)),
-            "timeouts": len(self.timed_out),
-            "output restarts": self.output_restarts,
-            "input restarts": self.input_restarts,
-            "workers recycled": self.recycled,
-            "workers lost": len(self.lost),
-            "workers restarted": self.restarts,
-        }
-        if self.lost:  # backoff: forks delayed because workers died before finishing events
-            stats = self.backoff.stats()
-            counters["restarts delayed"] = stats.delayed
-            counters["restart backoff (s)"] = round(stats.total_delay_s, 3)
-            counters["restarts not needed (run ended)"] = self.restarts_cancelled
-        ledger = inp.get("ledger")
-        if ledger:  # reliability: what the input's ledger saw
-            counters["retries"] = int(ledger["retries"])
-            counters["event failures"] = int(ledger["failures"])
-            # every event read was dropped by the input path or confirmed by the output
-            lost = int(inp.get("read", 0)) - int(inp.get("dropped", 0)) - int(ledger["confirmed"])
-            counters["events lost"] = max(lost, int(ledger["unconfirmed"]), self._unwritten(inp))
-        if out_header.get("already_written"):
-            counters["already in the output (resumed)"] = int(out_header["already_written"])
-        counters.update(out_header.get("fills", {}))  # persistent deltas: fills.py
-        skipped = sorted(set(out_header.get("skipped", [])))
-        if skipped:
-            counters["persistent objects not merged"] = len(skipped)
-        firsts = [
-            float(h.get("first_event_at", 0))
-            for role, (h, _) in self.results.items()
-            if role.startswith("worker") and h.get("first_event_at")
-        ]
-        if out_header.get("first_result_at"):  # dead workers report nothing: bound it
-            firsts.append(float(out_header["first_result_at"]))
-        if firsts:
-            counters["start-up to first event (s)"] = round(min(firsts) - self.started_at, 4)
-        if self.all_ready_at:
-            counters["start-up of all workers (s)"] = round(self.all_ready_at - self.started_at, 4)
-        for role, head in (("input", inp), ("output", out_header)):
-            if "cpu_s" in head:
-                counters[f"{role} CPU (s)"] = round(float(head["cpu_s"]), 4)
-        worker_cpu = [
-            float(h["cpu_s"])
-            for role, (h, _) in self.results.items()
-            if role.startswith("worker") and "cpu_s" in h
-        ]
-        if worker_cpu:  # workers that ended normally (a killed one reports nothing)
-            counters["workers CPU (s)"] = round(sum(worker_cpu), 4)
-        if self.options.transport == "shm":  # how many events the arena carried
-            counters["events through shared memory"] = int(inp.get("shm_events", 0))
-            counters["re-sent events found confirmed (shm)"] = sum(
-                int(h.get("obsolete", 0)) for role, (h, _) in self.results.items()
-                if role.startswith("worker")
-            )  # fmt: skip
-        if inp.get("shm_full"):  # transport shm: batches that went over the socket instead
-            counters["batches not in shared memory (arena full)"] = int(inp["shm_full"])
-        bad = int(inp.get("bad", 0)) + int(out_header.get("bad", 0)) + self.bad.total
-        if bad:
-            counters["malformed messages"] = bad
-        refused = int(inp.get("refused", 0)) + int(out_header.get("refused", 0)) + self.refused
-        if refused:  # security: connections without the run's secret, or from outside it
-            counters["connections refused"] = refused
-        return RunSummary(
-            events_read=int(inp.get("read", 0)),
-            events_written=int(out_header.get("written", 0)),
-            events_dropped=int(inp.get("dropped", 0)) + int(out_header.get("dropped", 0)),
-            events_quarantined=int(out_header.get("quarantined", 0)),
-            wall_s=wall_s,
-            workers=self.n_workers,
-            modules=tuple(rows),
-            persistent=persistent,
-            counters=counters,
-            outputs=tuple(output_files(self.split.output))
-            + tuple(str(f) for f in out_header.get("quarantine_files", [])),
-            interrupted=bool(self.signals),
-            killed_workers=tuple(sorted(killed, key=_role_order)),
-            quarantined=tuple(
-                (int(u), str(r)) for u, r in out_header.get("quarantine_reasons", [])
-            ),
-            failures=groups_from(inp.get("failures")),
-            quarantine_files=tuple(str(f) for f in out_header.get("quarantine_files", [])),
-            allow_quarantine=self.options.allow_quarantine,
-        )
-
-
-def _role_order(name: str) -> tuple[int, str]:
-    if name == "input":
-        return (0, "")
-    if name == "output":
-        return (2, "")
-    return (1, f"{name:>20}")
-
 
 def _preload(split: SplitPath) -> None:
     """Import what the path's modules list in ``preload``: every forked role inherits it."""
@@ -773,25 +401,3 @@ def _progress_total(split: SplitPath, max_events: int | None) -> int | None:
     if total is None:
         return max_events
     return total if max_events is None else min(total, max_events)
-
-
-def _rebuild_error(header: dict[str, Any]) -> EvflowError:
-    """The error a role reported, as one clear exception naming module and process."""
-    where = str(header.get("name", "?"))
-    if "module" in header:
-        cause_type = type(str(header.get("cause", "Exception")), (Exception,), {})
-        exc = ModuleError(
-            str(header["module"]),
-            str(header.get("hook", "?")),
-            header.get("uid"),
-            cause_type(str(header.get("cause_text", ""))),
-            str(header.get("traceback", "")),
-        )
-        exc.args = (f"{exc} (in the {where} process)",)
-        return exc
-    text = str(header.get("error", "unknown error"))
-    kind = getattr(errors, str(header.get("kind", "")), None)
-    if isinstance(kind, type) and issubclass(kind, EvflowError) and kind is not ModuleError:
-        with contextlib.suppress(Exception):
-            return kind(f"{text} (in the {where} process)")
-    return ConfigurationError(f"{text} (in the {where} process)")

@@ -301,7 +301,7 @@ class FarmParent(Parent):
 
     def _tend_host(self, name: str, host: _Host, now: float) -> None:
         ending = self.hard or self.error is not None or self.aborting_at
-        input_done = "input" not in self.pids.values()
+        input_done = not self._alive("input")
         if host.alive:
             gone = host.handle is not None and host.handle.poll() is not None
             silent = host.last_beat_s is not None and now - host.last_beat_s > self.host_lost_s
@@ -382,7 +382,7 @@ class FarmParent(Parent):
         self._lost(name, code, None, self._replacement(host.spec.name, name))
 
     def _replacement(self, host: str, name: str) -> str | None:
-        if self.restarts >= self.max_restarts or "input" not in self.pids.values():
+        if self.restarts >= self.max_restarts or not self._alive("input"):
             return None
         self.restarts += 1
         index = scoreboard.slot_of(name)

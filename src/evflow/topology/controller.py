@@ -43,7 +43,8 @@ from evflow.topology.protocol import (
 from evflow.topology.records import DeviceRecord, HostRecord, violations
 from evflow.topology.resolve import ResolvedTopology
 from evflow.topology.security import FarmSecurity, tcp_only_binds
-from evflow.topology.startup import STAGES, StartupSteps, route_source
+from evflow.topology.startup import StartupSteps, route_source
+from evflow.topology.walk import StartupWalk
 
 log = logging.getLogger("evflow.topology")
 
@@ -167,13 +168,7 @@ class Controller(StartupSteps):
         self._start_agents(self._agent_bus(endpoints))
         self._wait_agents()
         self._lap("agents up")
-        self._spawn()
-        self._lap("devices spawned")
-        for transition, target, moved in STAGES:
-            if transition == "CONNECT":
-                self._push_properties()
-            self._stage(transition, target, moved)
-            self._lap(f"all {target}")
+        StartupWalk(self).run()  # spawns, then each device to RUNNING as it gets ready
         self.phase = "running"
         self.running_after_s = time.monotonic() - self.started_s
         log.info(

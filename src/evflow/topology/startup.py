@@ -12,28 +12,21 @@ import logging
 import time
 from typing import Any
 
-from evflow.errors import ConfigurationError, PeerLostError, TimeoutError_
+from evflow.errors import PeerLostError, TimeoutError_
 from evflow.runtime.busclient import BusEndpoints
 from evflow.topology.intake import ControllerBus
 from evflow.topology.launch.base import AgentHandle
-from evflow.topology.protocol import CONTROLLER_ID, agent_id
+from evflow.topology.protocol import CONTROLLER_ID
 from evflow.topology.records import RANK, DeviceRecord, HostRecord
 from evflow.topology.resolve import ResolvedTopology
 from evflow.topology.security import BusRefusals, FarmSecurity
+from evflow.topology.walk import STAGES
 from evflow.transport.address import connectable
 
 __all__ = ["STAGES", "StartupSteps", "route_source"]
 
 log = logging.getLogger("evflow.topology")
 
-STAGES = (
-    ("INIT_DEVICE", "INITIALIZING_DEVICE", "INITIALIZING_DEVICE"),
-    ("COMPLETE_INIT", "INITIALIZED", "INITIALIZED"),
-    ("BIND", "BOUND", "BINDING"),
-    ("CONNECT", "DEVICE_READY", "CONNECTING"),
-    ("INIT_TASK", "READY", "INITIALIZING_TASK"),
-    ("RUN", "RUNNING", "RUNNING"),
-)
 _RESEND_S = 0.4
 
 
@@ -168,83 +161,6 @@ class StartupSteps:
                     live.get("session"),
                     live.get("pid"),
                 )
-
-    def _spawn(self) -> None:
-        assert self.bus is not None
-        pending = {}
-        for name in self.hosts:
-            args = {
-                "devices": [d.to_wire() for d in self.topology.on_host(name)],
-                "connect_timeout_s": self.connect_timeout_s,
-                "stats_dir": self.stats_dir,
-            }
-            pending[name] = (self.bus.send("spawn", agent_id(name), args), args)
-        deadline = time.monotonic() + self.start_timeout_s
-        next_send = time.monotonic() + 2.0
-        while pending:
-            self._tick(0.05)
-            for name, (req, _args) in list(pending.items()):
-                reply = self.bus.replies.get(req, {}).get(agent_id(name))
-                if reply is None:
-                    continue
-                self.bus.forget(req)
-                del pending[name]
-                if not reply.get("ok"):
-                    raise ConfigurationError(f"host {name!r}: spawn failed: {reply.get('error')}")
-            if time.monotonic() > next_send:  # same req: an agent never spawns twice
-                next_send = time.monotonic() + 2.0
-                for name, (req, args) in pending.items():
-                    self.bus.send("spawn", agent_id(name), args, req=req)
-            if pending and time.monotonic() > deadline:
-                raise TimeoutError_(f"host(s) {', '.join(pending)}: spawn not answered")
-
-    def _stage(self, transition: str, target: str, moved: str) -> None:
-        assert self.bus is not None
-        goal, moved_rank = RANK[target], RANK[moved]
-        deadline = self.started_s + self.start_timeout_s + self.connect_timeout_s
-
-        def laggards(rank: int) -> list[str]:
-            return [r.id for r in self.records.values() if not r.ended and r.rank < rank]
-
-        todo = laggards(goal)
-        if todo:
-            self.bus.tell("transition", todo, {"transition": transition}, quiet=True)
-        next_send = time.monotonic() + _RESEND_S
-        while todo := laggards(goal):
-            self._tick(0.02)
-            now = time.monotonic()
-            if now >= next_send:
-                next_send = now + _RESEND_S
-                unmoved = laggards(moved_rank)
-                if unmoved:
-                    self.bus.tell("transition", unmoved, {"transition": transition}, quiet=True)
-                self.bus.tell("check-state", todo)
-            if now > deadline:
-                states = ", ".join(f"{d} {self.records[d].state}" for d in todo[:10])
-                raise TimeoutError_(
-                    f"device(s) did not reach {target} within {self.start_timeout_s:g} s: {states}"
-                )
-
-    def _push_properties(self) -> None:
-        """All binders' endpoints known (asked for if missed), then sent to everyone."""
-        assert self.bus is not None
-        wanted = {
-            f"{d.id}.{c.name}"
-            for d in self.topology.devices.values()
-            for c in d.channels
-            if c.bind and not self.records[d.id].ended
-        }
-        deadline = time.monotonic() + 5.0
-        while missing := sorted(wanted - set(self.bus.properties)):
-            owners = sorted({k.split(".")[0] for k in missing})
-            self.bus.tell("check-state", owners)
-            self._tick(0.1)
-            if time.monotonic() > deadline:
-                raise TimeoutError_(f"no endpoints published by {', '.join(owners)}")
-        targets = [r.id for r in self.records.values() if not r.ended]
-        if targets:
-            args = {"properties": self.bus.properties}
-            self.bus.tell("set-properties", targets, args, quiet=True)
 
     # --- watching --------------------------------------------------------------------
     def _rewalk(self, now: float) -> None:

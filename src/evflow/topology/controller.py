@@ -33,8 +33,8 @@ from evflow.topology.intake import ControllerBus
 from evflow.topology.launch.base import AgentHandle, get_launcher
 from evflow.topology.protocol import (
     CONNECT_TIMEOUT_S,
+    CONTROLLER_BEAT_S,
     CONTROLLER_ID,
-    HEARTBEAT_S,
     HOST_LOST_S,
     PROBE_S,
     agent_id,
@@ -208,7 +208,7 @@ class Controller(StartupSteps):
         starved = now - self._last_tick_s > HOST_LOST_S / 2
         self._last_tick_s = now
         if now >= self._next_beat:
-            self._next_beat = now + HEARTBEAT_S
+            self._next_beat = now + CONTROLLER_BEAT_S
             live = [agent_id(h) for h, r in self.hosts.items() if not r.lost]
             if live:
                 self.bus.tell("heartbeat", live)

@@ -40,7 +40,7 @@ STAGES = (
     ("INIT_TASK", "READY", "INITIALIZING_TASK"),
     ("RUN", "RUNNING", "RUNNING"),
 )
-TICK_S = 0.01
+TICK_S = 0.02
 #: a device that has not moved this long after a step was sent gets it again
 RESEND_S = 0.25
 #: a device whose state did not change this long is asked for it

@@ -220,6 +220,8 @@ class Agent:
         claim_session(self.local_session)
         context: zmq.Context[Any] = zmq.Context()
         try:
+            if self.bus == "-":  # started before the controller's bus was up
+                self.bus = read_bus_line(self.host)
             self.client = BusClient(context, self.node_id, self.bus)
             self.client.handle("spawn", self._spawn)
             self.client.handle("shutdown", self._shutdown)
@@ -260,6 +262,22 @@ class Agent:
                     silent_s,
                 )
                 return
+
+
+def read_bus_line(host: str, timeout_s: float = 60.0) -> str:
+    """``--bus -``: the bus endpoints from the first line of stdin."""
+    import select
+    import sys
+
+    from evflow.runtime.busclient import BusEndpoints
+
+    ready, _, _ = select.select([sys.stdin], [], [], timeout_s)
+    line = sys.stdin.readline().strip() if ready else ""
+    if not line:
+        why = "no line" if ready else f"nothing within {timeout_s:g} s"
+        raise ConfigurationError(f"agent {host!r}: --bus -: {why} on stdin")
+    BusEndpoints.parse(line)
+    return line
 
 
 def run_agent(

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -95,6 +96,8 @@ class Controller(StartupSteps):
         self.records = {d.id: DeviceRecord(d) for d in topology.devices.values()}
         self.hosts = {h: HostRecord(h) for h in sorted({d.host for d in topology.devices.values()})}
         self.handles: dict[str, AgentHandle] = {}
+        self._launching: dict[str, Any] = {}  # host -> future of an agent's launch
+        self._pool: Any = None
         self.phase = "starting"
         self.failure: str | None = None
         self.signals = 0
@@ -157,6 +160,10 @@ class Controller(StartupSteps):
         if removed:
             log.info("pre-flight: removed leftovers of dead session(s) %s", ", ".join(removed))
         self.sup.start()  # zygote and bus proxy, before our own zmq context
+        early = self.launcher.name == "ssh"  # agents start while the bus comes up
+        if early:
+            self._check_interrupt()
+            self._launch_in_threads(self._agent_launches(None))
         claim_session(self.session)
         (self._session_dir() / "topology.json").write_text(
             json.dumps({"version": 1, "topology": self.topology.name, "pid": os.getpid()})
@@ -165,7 +172,12 @@ class Controller(StartupSteps):
         endpoints = self.sup.bus_endpoints
         self.bus = ControllerBus(self._context, endpoints, self.records, self.hosts, self._answer)
         self._wait_bus()
-        self._start_agents(self._agent_bus(endpoints))
+        self._lap("bus up")
+        if early:
+            self._collect_launches(self._agent_bus(endpoints))
+        else:
+            self._start_agents(self._agent_bus(endpoints))
+        self._lap("agents started")
         self._wait_agents()
         self._lap("agents up")
         StartupWalk(self).run()  # spawns, then each device to RUNNING as it gets ready
@@ -380,6 +392,8 @@ class Controller(StartupSteps):
         from evflow.transport.paths import remove_session_files
         from evflow.transport.sessions import remove_stale_sessions
 
+        with contextlib.suppress(Exception):
+            self._collect_launches(None)  # agents still starting: their handles too
         for handle in self.handles.values():
             handle.terminate(grace_s=1.0)
         if self.bus is not None:

@@ -16,7 +16,6 @@ from evflow.errors import PeerLostError, TimeoutError_
 from evflow.runtime.busclient import BusEndpoints
 from evflow.topology.intake import ControllerBus
 from evflow.topology.launch.base import AgentHandle
-from evflow.topology.protocol import CONTROLLER_ID
 from evflow.topology.records import RANK, DeviceRecord, HostRecord
 from evflow.topology.resolve import ResolvedTopology
 from evflow.topology.security import BusRefusals, FarmSecurity
@@ -28,6 +27,8 @@ __all__ = ["STAGES", "StartupSteps", "route_source"]
 log = logging.getLogger("evflow.topology")
 
 _RESEND_S = 0.4
+#: a request to the young bus proxy is sent again after this (s)
+ASK_BUS_S = 0.1
 
 
 class StartupSteps:
@@ -37,6 +38,8 @@ class StartupSteps:
     records: dict[str, DeviceRecord]
     hosts: dict[str, HostRecord]
     handles: dict[str, AgentHandle]
+    _launching: dict[str, Any]
+    _pool: Any
     bus: ControllerBus | None
     local: bool
     stats_dir: str
@@ -58,36 +61,37 @@ class StartupSteps:
         raise NotImplementedError
 
     def _wait_bus(self) -> None:
-        assert self.bus is not None
-        deadline = time.monotonic() + 10.0
-        while time.monotonic() < deadline:
-            req = self.bus.send("ping", CONTROLLER_ID)
-            self.bus.pump(0.05)
-            self._check_interrupt()
-            if self.bus.replies.pop(req, None) is not None or self._bus_heard():
-                return
-        raise PeerLostError(f"session {self.session}: the control bus proxy does not answer")
+        """Until the bus proxy answers (its get-metrics reply, kept for _agent_bus)."""
+        self._bus_metrics = self._ask_bus("get-metrics", 10.0)
+        if self._bus_metrics is None:
+            raise PeerLostError(f"session {self.session}: the control bus proxy does not answer")
 
-    def _bus_heard(self) -> bool:
+    def _ask_bus(self, cmd: str, timeout_s: float) -> dict[str, Any] | None:
+        """The bus proxy's answer to ``cmd``, or None. Asked again every ASK_BUS_S: on a
+        young bus a request or its reply is dropped until the subscriptions are through
+        (and waiting in short slices: the start-up waits for this)."""
         assert self.bus is not None
-        req = self.bus.send("ping", "bus")
-        self.bus.pump(0.05)
-        return bool(self.bus.replies.pop(req, None))
+        deadline = time.monotonic() + timeout_s
+        req, next_send = "", 0.0
+        while time.monotonic() < deadline:
+            if time.monotonic() >= next_send:
+                if req:
+                    self.bus.forget(req)
+                req = self.bus.send(cmd, "bus")
+                next_send = time.monotonic() + ASK_BUS_S
+            self.bus.pump(0.005)
+            self._check_interrupt()
+            reply = self.bus.replies.get(req)
+            if reply:
+                self.bus.forget(req)
+                data = next(iter(reply.values())).get("data")
+                return data if isinstance(data, dict) else {}
+        return None
 
     def _agent_bus(self, endpoints: BusEndpoints) -> Any:
         if self.local:
             return lambda address: str(endpoints)
-        assert self.bus is not None
-        req = self.bus.send("get-metrics", "bus")
-        deadline = time.monotonic() + 5.0
-        next_send = time.monotonic() + 0.5
-        while not self.bus.replies.get(req) and time.monotonic() < deadline:
-            self.bus.pump(0.05)
-            if time.monotonic() >= next_send and not self.bus.replies.get(req):
-                next_send = time.monotonic() + 0.5  # a request lost on a young bus
-                self.bus.forget(req)
-                req = self.bus.send("get-metrics", "bus")
-        data = next(iter(self.bus.replies.pop(req, {}).values()), {}).get("data") or {}
+        data = getattr(self, "_bus_metrics", None) or {}
         pubs = [e for e in data.get("publish_endpoints", []) if e.startswith("tcp://")]
         subs = [e for e in data.get("subscribe_endpoints", []) if e.startswith("tcp://")]
         if not pubs or not subs:
@@ -99,32 +103,61 @@ class StartupSteps:
 
         return for_host
 
-    def _start_agents(self, agent_bus: Any) -> None:
-        """One agent per host; over ssh/Slurm all hosts at once (each start waits for
-        its remote side: about a second per host over ssh)."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        self._check_interrupt()
+    def _agent_launches(self, agent_bus: Any) -> dict[str, tuple[Any, list[str], dict[str, str]]]:
+        """(host, agent args, env) per host; ``agent_bus`` None: ``--bus -`` (the bus
+        address follows on the agent's stdin, see _launch_in_threads)."""
         launches = {}
         for name in self.hosts:
             host = self.topology.hosts[name]
-            args = ["--bus", agent_bus(host.address), "--session", self.session, "--host", name]
+            bus = agent_bus(host.address) if agent_bus is not None else "-"
+            args = ["--bus", bus, "--session", self.session, "--host", name]
             for module in self.preload:
                 args += ["--preload", module]
             launches[name] = (host, args, self._agent_env(name))
+        return launches
+
+    def _start_agents(self, agent_bus: Any) -> None:
+        """One agent per host; over ssh/Slurm all hosts at once (each start waits for
+        its remote side: about a second per host over ssh)."""
+        self._check_interrupt()
+        launches = self._agent_launches(agent_bus)
         if self.local:  # a fork each: quick, and preexec_fn is no friend of threads
             for name, (host, args, env) in launches.items():
                 self._check_interrupt()
                 self.handles[name] = self.launcher.start_agent(host, args, env)
             return
+        self._launch_in_threads(launches)
+        self._collect_launches(None)
+
+    def _launch_in_threads(self, launches: dict[str, Any]) -> None:
+        """Start the launches, one thread each; _collect_launches() takes the handles.
+        The ssh launcher starts agents this way before the bus exists (``--bus -``):
+        ssh, the remote shell and the agent's imports take most of a second, which
+        the controller spends bringing up its bus meanwhile."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(max_workers=min(32, len(launches)))
+        self._launching = {
+            n: self._pool.submit(self.launcher.start_agent, *a) for n, a in launches.items()
+        }
+
+    def _collect_launches(self, agent_bus: Any) -> None:
+        """Every started agent into ``handles`` (close() ends them); with ``agent_bus``,
+        each is sent its bus address (``--bus -``). The first launch error is raised."""
         error: BaseException | None = None
-        with ThreadPoolExecutor(max_workers=min(32, len(launches))) as pool:
-            futures = {n: pool.submit(self.launcher.start_agent, *a) for n, a in launches.items()}
-            for name, future in futures.items():
-                try:
-                    self.handles[name] = future.result()
-                except Exception as exc:  # every started agent is in handles for close()
-                    error = error or exc
+        launching, self._launching = self._launching, {}
+        for name, future in launching.items():
+            try:
+                handle = future.result()
+            except Exception as exc:
+                error = error or exc
+                continue
+            self.handles[name] = handle
+            if agent_bus is not None:
+                handle.send_line(agent_bus(self.topology.hosts[name].address))
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
         if error is not None:
             raise error
         self._check_interrupt()

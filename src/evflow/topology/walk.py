@@ -3,10 +3,9 @@
 One step at a time for all devices, each step one broadcast (the ids of the devices
 in ``to``): every command on the bus wakes every device (each decodes it to see
 whether it is addressed), so the walk sends as few as it can, and a step waits until
-every device has finished the one before. INIT_DEVICE goes out once every device has
-reported IDLE (not when the agents answered the spawn: a device forked is not yet on
-the bus). CONNECT goes out once the endpoints of every binder are known; they are
-pushed first (``set-properties``) on the same ordered pipe.
+every device has finished the one before. INIT_DEVICE goes out once every agent
+has answered its spawn. CONNECT goes out once the endpoints of every binder are
+known; they are pushed first (``set-properties``) on the same ordered pipe.
 
 Every send of a step uses the same request id (``walk-<step>``): a device that already
 took the step ignores a re-send (the bus client answers a request id once), so the
@@ -42,7 +41,11 @@ STAGES = (
 )
 TICK_S = 0.02
 #: a device that has not moved this long after a step was sent gets it again
-RESEND_S = 0.25
+RESEND_S = 0.3
+#: INIT_DEVICE, the first command a device hears: re-sent sooner (a device forked a
+#: moment ago is often not subscribed yet, and its IDLE is often lost for the same
+#: reason: a PUB socket drops what it sends before the proxy's subscription arrives)
+RESEND_FIRST_S = 0.2
 #: a device whose state did not change this long is asked for it
 ASK_S = 0.4
 #: spawn requests not answered are sent again (same request: never spawned twice)
@@ -102,7 +105,7 @@ class StartupWalk:
     def _step(self, live: list[DeviceRecord], now: float) -> None:
         lowest = min((r.rank for r in live), default=RANK["RUNNING"])
         step = next((i for i, s in enumerate(STAGES) if lowest < RANK[s[1]]), None)
-        if step is None or lowest < 0:
+        if step is None or self.spawns:
             self._ask(live, now)
             return
         transition, _target, moved = STAGES[step]
@@ -117,7 +120,7 @@ class StartupWalk:
             if rec.rank >= RANK[moved]:
                 continue  # taking the step, or past it
             last = self.sent.get((rec.id, transition))
-            if last is not None and now - last < RESEND_S:
+            if last is not None and now - last < (RESEND_FIRST_S if step == 0 else RESEND_S):
                 continue
             self.sent[(rec.id, transition)] = now
             ids.append(rec.id)

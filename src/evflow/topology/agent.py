@@ -36,6 +36,7 @@ from evflow.runtime.busclient import BusClient
 from evflow.runtime.supervisor import ExitEvent, Supervisor
 from evflow.topology.protocol import (
     CONTROLLER_LOST_S,
+    CURVE_PRELOAD,
     HEARTBEAT_S,
     PROTOCOL_VERSION,
     agent_id,
@@ -289,7 +290,12 @@ def run_agent(
     steering: dict[str, Any] | None = None,
 ) -> int:
     """``evflow agent``: import the device modules, then run the agent until told to stop."""
-    for name in (*PRELOAD, *preload):
+    from evflow.transport.farmkeys import ENV_KEYS
+
+    # with farm keys every device opens CURVE sockets: what those import (pyzmq's auth
+    # and socket monitor, and through them asyncio: ~20 ms) is loaded once, here
+    curve = CURVE_PRELOAD if os.environ.get(ENV_KEYS) else ()
+    for name in (*PRELOAD, *curve, *preload):
         try:
             importlib.import_module(name)
         except ImportError as exc:

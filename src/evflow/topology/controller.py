@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ from evflow.topology.protocol import (
     CONNECT_TIMEOUT_S,
     CONTROLLER_BEAT_S,
     CONTROLLER_ID,
+    CURVE_PRELOAD,
     HOST_LOST_S,
     PROBE_S,
     agent_id,
@@ -156,6 +158,8 @@ class Controller(StartupSteps):
                 {route_source(self.topology.hosts[h].address) for h in self.hosts}
             )
             self.security.apply_to_controller()
+            for module in CURVE_PRELOAD:  # into the zygote: the bus proxy serves CURVE
+                importlib.import_module(module)
         removed = remove_stale_sessions()
         if removed:
             log.info("pre-flight: removed leftovers of dead session(s) %s", ", ".join(removed))

@@ -238,9 +238,9 @@ class CurveSecurity:
     def _watch(self, monitor: zmq.Socket[Any]) -> None:
         failed: str | None = None
         try:
-            while True:
-                from zmq.utils.monitor import recv_monitor_message
+            from zmq.utils.monitor import recv_monitor_message  # asyncio: only with CURVE
 
+            while True:
                 event = recv_monitor_message(monitor)
                 kind, value, endpoint = event["event"], event["value"], event["endpoint"]
                 if kind == zmq.EVENT_MONITOR_STOPPED:

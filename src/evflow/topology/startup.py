@@ -113,6 +113,8 @@ class StartupSteps:
             args = ["--bus", bus, "--session", self.session, "--host", name]
             for module in self.preload:
                 args += ["--preload", module]
+            if log.isEnabledFor(logging.DEBUG):  # the agents' start-up laps, in our log
+                args += ["--severity", "debug"]
             launches[name] = (host, args, self._agent_env(name))
         return launches
 
@@ -166,7 +168,7 @@ class StartupSteps:
         deadline = time.monotonic() + self.start_timeout_s
         refusals = BusRefusals(self) if self.security is not None else None
         while missing := [h for h, r in self.hosts.items() if r.last_beat_s is None]:
-            self._tick(0.05)
+            self._tick(0.01)  # the spawn goes out as soon as the last agent is heard
             if refusals is not None:
                 refusals.check(missing)
             for name in missing:

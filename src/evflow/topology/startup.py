@@ -113,8 +113,6 @@ class StartupSteps:
             args = ["--bus", bus, "--session", self.session, "--host", name]
             for module in self.preload:
                 args += ["--preload", module]
-            if log.isEnabledFor(logging.DEBUG):  # the agents' start-up laps, in our log
-                args += ["--severity", "debug"]
             launches[name] = (host, args, self._agent_env(name))
         return launches
 

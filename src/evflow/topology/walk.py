@@ -145,8 +145,12 @@ class StartupWalk:
                    for key in self.needs.get(rec.id, ()))  # fmt: skip
 
     def _ask(self, live: list[DeviceRecord], now: float) -> None:
-        """check-state to devices whose state has not changed for ASK_S, and to binders
-        that are BOUND without their endpoints known (a lost notice)."""
+        """check-state to devices that hold the walk up (not yet at the state the
+        slowest one is heading for) and whose state has not changed for ASK_S, and to
+        binders that are BOUND without their endpoints known (a lost notice). Devices
+        waiting for the others are not asked: each answer is a message."""
+        lowest = min((r.rank for r in live), default=RANK["RUNNING"])
+        goal = next((RANK[t] for _, t, _ in STAGES if lowest < RANK[t]), RANK["RUNNING"])
         stuck = []
         for rec in live:
             rank, since = self.seen.get(rec.id, (None, now))
@@ -155,7 +159,7 @@ class StartupWalk:
             if rank != rec.rank:
                 self.seen[rec.id] = (rec.rank, now)
                 continue
-            waiting = rec.rank < RANK["RUNNING"] and now - since >= ASK_S
+            waiting = rec.rank < goal and now - since >= ASK_S
             unpublished = rec.rank >= RANK["BOUND"] and any(
                 k not in self.bus.properties for k in self.binds.get(rec.id, ())
             )

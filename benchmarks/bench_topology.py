@@ -2,6 +2,8 @@
 
 Run: python benchmarks/bench_topology.py [--devices 16,64,256] [--hosts 1] [--repeat 3]
      python benchmarks/bench_topology.py --farm [--devices 16,64,256] [--repeat 2]   (root)
+     python benchmarks/bench_topology.py --farm --quick     (256 devices, once each: < 1 min)
+     ... --against DIR   (each run also with DIR/src on PYTHONPATH, alternated: A/B)
 
 For N devices: N-2 samplers (1 message/s, 100 B) -> one merger -> one sink, all with
 the local launcher; with ``--hosts K`` the samplers spread round robin over K local
@@ -61,7 +63,7 @@ class = "sink"
 
 
 def run_once(
-    workdir: Path, n: int, hosts: int, farm_args: list[str] | None = None
+    workdir: Path, n: int, hosts: int, farm_args: list[str] | None = None, src: str | None = None
 ) -> dict[str, float]:
     topo = workdir / f"bench{n}.toml"
     topo.write_text(topology(n, hosts))
@@ -75,7 +77,10 @@ def run_once(
         )
         argv += ["--hosts", str(hosts_file)]
     start = time.perf_counter()
-    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    env = dict(os.environ)
+    if src is not None:  # another source tree (A/B against an older commit)
+        env["PYTHONPATH"] = src
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env)
     assert proc.stderr is not None
     laps: dict[str, float] = {}
     tail: list[str] = []
@@ -115,21 +120,28 @@ def run_once(
 
 
 HEADER = (
-    f"{'devices':>7} {'hosts':>5} {'mode':>8} {'wall s':>7} {'ctrl s':>7} {'agents':>7} "
+    f"{'devices':>7} {'hosts':>5} {'mode':>10} {'wall s':>7} {'ctrl s':>7} {'agents':>7} "
     f"{'spawned':>8} {'stop s':>7}"
 )
 
 
 def row(n: int, hosts: int, mode: str, laps: dict[str, float]) -> str:
     return (
-        f"{n:>7} {hosts:>5} {mode:>8} {laps['wall']:>7.2f} "
+        f"{n:>7} {hosts:>5} {mode:>10} {laps['wall']:>7.2f} "
         f"{laps.get('all RUNNING', float('nan')):>7.2f} "
         f"{laps.get('agents up', float('nan')):>7.2f} "
         f"{laps.get('devices spawned', float('nan')):>8.2f} {laps['stop']:>7.2f}"
     )
 
 
-def run_farm(sizes: list[int], repeat: int) -> None:
+def trees(against: str | None) -> dict[str, str | None]:
+    """Label -> PYTHONPATH override: this tree, and ``against``'s src when given."""
+    if against is None:
+        return {"": None}
+    return {"": None, "-old": str(Path(against).resolve() / "src")}
+
+
+def run_farm(sizes: list[int], repeat: int, against: str | None = None) -> None:
     """3 namespace hosts over ssh: plaintext and CURVE side by side for each size."""
     sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
     from farm_hosts import NamespaceFarm, missing_for_farm
@@ -154,8 +166,9 @@ def run_farm(sizes: list[int], repeat: int) -> None:
         for n in sizes:
             for _ in range(repeat):
                 for mode, extra in modes.items():
-                    laps = run_once(work, n, 3, extra)
-                    print(row(n, 3, mode, laps), flush=True)
+                    for label, src in trees(against).items():  # alternated: A/B
+                        laps = run_once(work, n, 3, extra, src)
+                        print(row(n, 3, mode + label, laps), flush=True)
                     left = {h: farm.leftovers(h, timeout_s=10) for h in farm.hosts}
                     if any(left.values()):
                         raise SystemExit(f"left on the hosts after the run: {left}")
@@ -168,18 +181,24 @@ def main() -> None:
     parser.add_argument("--hosts", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--farm", action="store_true", help="3 namespace hosts over ssh (root)")
+    parser.add_argument("--quick", action="store_true", help="256 devices, one run each")
+    parser.add_argument("--against", metavar="DIR", help="also run DIR/src, alternated (A/B)")
     args = parser.parse_args()
+    if args.quick:
+        args.devices, args.repeat = "256", 1
     sizes = [int(x) for x in args.devices.split(",")]
+    print(f"load average at the start: {os.getloadavg()}")
     if args.farm:
-        run_farm(sizes, args.repeat)
+        run_farm(sizes, args.repeat, args.against)
         return
     with tempfile.TemporaryDirectory(prefix="evb-") as tmp:
         os.environ["EVFLOW_RUNTIME_DIR"] = str(Path(tmp) / "rt")
         print(HEADER)
         for n in sizes:
             for _ in range(args.repeat):
-                laps = run_once(Path(tmp), n, args.hosts)
-                print(row(n, args.hosts, "local", laps), flush=True)
+                for label, src in trees(args.against).items():
+                    laps = run_once(Path(tmp), n, args.hosts, src=src)
+                    print(row(n, args.hosts, "local" + label, laps), flush=True)
     print(f"load average at the end: {os.getloadavg()}")
 
 

@@ -94,3 +94,20 @@ def test_guard_without_a_runnable_command_says_so() -> None:
     out = subprocess.run([*GUARD, "--", "/nonexistent/prog"], capture_output=True, text=True,
                          stdin=subprocess.DEVNULL, timeout=30)  # fmt: skip
     assert out.returncode == 127 and "cannot run '/nonexistent/prog'" in out.stderr
+
+
+def test_guard_passes_stdin_lines_to_the_command() -> None:
+    """``stdin TEXT`` reaches the command's stdin as TEXT (the ssh launcher sends an
+    agent started with ``--bus -`` its bus address this way); other lines do not."""
+    echo = "import sys; print('got', sys.stdin.readline().strip(), flush=True)"
+    guard = subprocess.Popen(
+        [*GUARD, "--", sys.executable, "-c", echo],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert guard.stdin is not None and guard.stdout is not None and guard.stderr is not None
+    assert guard.stderr.readline().decode().startswith(READY_PREFIX)
+    guard.stdin.write(b"hello there\nstdin tcp://10.0.0.1:5,tcp://10.0.0.1:6\n")
+    guard.stdin.flush()
+    assert guard.stdout.readline().decode().strip() == "got tcp://10.0.0.1:5,tcp://10.0.0.1:6"
+    assert guard.wait(20) == 0  # the command ended by itself: so does the guard
+    _close(guard)

@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -22,10 +21,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import zmq
 
+from evflow.runtime.busclient import BusEndpoints
+from evflow.runtime.buscontrol import BusController
 from evflow.wire.messages import MsgType, encode_message
 from farm_hosts import NamespaceFarm
 from test_topology_up import EXAMPLES, Lines, alive, check_delivery, stats
@@ -111,13 +111,23 @@ def test_three_hosts_over_ssh_with_keys_deliver_every_message(
     assert_clean(farm)
 
 
-def bus_ports(controller_pid: int) -> tuple[int, int]:
-    """The bus proxy's tcp ports, from the agents' command line (the ssh clients)."""
-    for child in psutil.Process(controller_pid).children(recursive=True):
-        found = re.search(r"--bus tcp://[\d.]+:(\d+),tcp://[\d.]+:(\d+)", " ".join(child.cmdline()))
-        if found:
-            return int(found.group(1)), int(found.group(2))
-    raise AssertionError("no agent command line with --bus tcp://...")
+def bus_ports(session: str) -> tuple[int, int]:
+    """The bus proxy's tcp ports (publish, subscribe), asked on its local ipc side."""
+    context: zmq.Context[Any] = zmq.Context()
+    try:
+        ctl = BusController(context, BusEndpoints.for_session(session))
+        try:
+            ctl.connect()
+            data = ctl.request("get-metrics", "bus")[0]["data"]
+        finally:
+            ctl.close()
+    finally:
+        context.term()
+
+    def tcp_port(endpoints: list[str]) -> int:
+        return int(next(e for e in endpoints if e.startswith("tcp://")).rsplit(":", 1)[1])
+
+    return tcp_port(data["publish_endpoints"]), tcp_port(data["subscribe_endpoints"])
 
 
 def plaintext_gets_nothing(address: str, ports: tuple[int, int], session: str) -> list[Any]:
@@ -215,7 +225,7 @@ def test_detached_over_ssh_status_places_devices_and_plaintext_gets_nothing(
         table = evflow(farm, "status", "--session", session)
         assert table.returncode == 0 and "sampler_2" in table.stdout and "h3" in table.stdout
         # the bus's tcp side is CURVE: a plaintext client hears nothing and is not obeyed
-        got = plaintext_gets_nothing(farm.controller_address, bus_ports(data["pid"]), session)
+        got = plaintext_gets_nothing(farm.controller_address, bus_ports(session), session)
         assert got == []
         # ... and the refusal is logged once with its address (the controller's own log)
         log_path = Path(os.environ["EVFLOW_RUNTIME_DIR"], session, "controller.log")

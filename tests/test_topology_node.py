@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,8 +16,11 @@ import zmq
 
 from evflow.errors import PeerLostError
 from evflow.runtime.bus import BusClient, BusProxy
+from evflow.runtime.busclient import BusEndpoints
 from evflow.runtime.devices.sink import Sink
+from evflow.topology.intake import ControllerBus
 from evflow.topology.node import Exchange
+from evflow.topology.records import DeviceRecord
 from evflow.topology.resolve import ResolvedChannel, ResolvedDevice
 from evflow.wire.messages import MsgType, encode_message
 
@@ -90,6 +94,41 @@ def test_pushed_endpoints_are_used_ipc_on_the_host_tcp_across(bus: Any) -> None:
     (config,) = configs
     assert config.method == "connect"
     assert config.address == "ipc:///tmp/x/a.ipc;tcp://10.0.0.2:4001"
+
+
+def test_endpoint_notices_reach_the_controller_and_wake_no_device(bus: Any) -> None:
+    """A device's endpoints go to the controller as a reply: the controller learns them,
+    while a socket subscribed like every device (to commands) hears nothing of them (a
+    command would wake all 256 devices of a topology for each of the 256 notices)."""
+    context, endpoints = bus
+    channels = [ResolvedChannel("data-out", "push", bind="tcp://127.0.0.1:0")]
+    spec = ResolvedDevice("merger", "merger", "merger", "localhost", 0, {}, channels)
+    records = {"merger": DeviceRecord(spec)}
+    controller = ControllerBus(context, BusEndpoints.parse(endpoints), records, {},
+                               lambda cmd, args: {})  # fmt: skip
+    device_sub = context.socket(zmq.SUB)
+    device_sub.setsockopt(zmq.SUBSCRIBE, bytes([int(MsgType.COMMAND)]))
+    device_sub.connect(endpoints.split(",")[1])
+    client = BusClient(context, "merger", endpoints)
+    exchange = Exchange(client, spec, timeout_s=5)
+    bound = SimpleNamespace(endpoints=["tcp://127.0.0.1:4567"])
+    try:
+        deadline = time.monotonic() + 10
+        while "merger.data-out" not in controller.properties and time.monotonic() < deadline:
+            exchange.published(SimpleNamespace(channels={"data-out": [bound]}))
+            controller.pump(0.1)  # notices sent before the subscriptions are lost: again
+        assert controller.properties["merger.data-out"] == ["tcp://127.0.0.1:4567"]
+        assert not device_sub.poll(300)  # no notice reached the command subscriber
+        seen = False  # ...which is connected: a command does reach it
+        while not seen and time.monotonic() < deadline:
+            controller.send("check-state", ["merger"])
+            seen = bool(device_sub.poll(100))
+        assert seen
+        assert MsgType(device_sub.recv_multipart()[0][0]) is MsgType.COMMAND
+    finally:
+        device_sub.close(0)
+        client.close()
+        controller.close()
 
 
 def test_pre_flight_removes_leftovers_of_a_dead_session(tmp_path: Path, _runtime_dir: Path) -> None:

@@ -19,7 +19,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description="Run the host agent: a zygote and supervisor for the devices that "
         "`evflow up` places on this host; it takes its orders over the control bus.",
     )
-    parser.add_argument("--bus", required=True, metavar="PUB,SUB", help="controller's bus")
+    parser.add_argument(
+        "--bus",
+        required=True,
+        metavar="PUB,SUB",
+        help="controller's bus ('-': read it from the first line of stdin, once the "
+        "agent's zygote runs: evflow up starts agents before its bus exists)",
+    )
     parser.add_argument("--session", required=True, help="the topology's session name")
     parser.add_argument("--host", required=True, help="this host's name in the topology")
     parser.add_argument(
@@ -53,7 +59,8 @@ def _handle(args: argparse.Namespace) -> int:
     from evflow.topology.agent import run_agent
     from evflow.topology.protocol import CONTROLLER_LOST_S
 
-    BusEndpoints.parse(args.bus)  # one clear error for a bad --bus
+    if args.bus != "-":
+        BusEndpoints.parse(args.bus)  # one clear error for a bad --bus
     level = {"warn": logging.WARNING}.get(args.severity, getattr(logging, args.severity.upper()))
     logging.basicConfig(
         level=level,

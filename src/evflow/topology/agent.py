@@ -36,6 +36,7 @@ from evflow.runtime.busclient import BusClient
 from evflow.runtime.supervisor import ExitEvent, Supervisor
 from evflow.topology.protocol import (
     CONTROLLER_LOST_S,
+    CURVE_PRELOAD,
     HEARTBEAT_S,
     PROTOCOL_VERSION,
     agent_id,
@@ -120,6 +121,7 @@ class Agent:
         timeout_s = float(args.get("connect_timeout_s", 20.0))
         stats_dir = str(args.get("stats_dir") or "")
         pids = {}
+        started = time.monotonic()
         for launch in launches:
             dev_id = str(launch["id"])
             if dev_id in self.sup.processes:
@@ -141,6 +143,8 @@ class Agent:
             pids[dev_id] = proc.pid
             self.devices[dev_id] = {"pid": proc.pid, "state": "running", "restarts": 0}
             self._maybe_beat()  # hundreds of forks must not look like a lost host
+        log.debug("agent %s: %d device(s) forked in %.3f s", self.host, len(pids),
+                  time.monotonic() - started)  # fmt: skip
         return {"node_id": self.node_id, "pids": pids}
 
     def _shutdown(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -206,6 +210,7 @@ class Agent:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
+        _lap("imports done")
         self.preflight = preflight(self.session)
         if self.steering:  # the user's modules, in the zygote before it forks workers
             from evflow.topology.pathworkers import load_split
@@ -217,9 +222,13 @@ class Agent:
         gc.freeze()
         self.sup.start()  # the zygote forks now: before any zmq context
         self.sup.on_exit(self._on_exit)
+        _lap("zygote forked")
         claim_session(self.local_session)
         context: zmq.Context[Any] = zmq.Context()
         try:
+            if self.bus == "-":  # started before the controller's bus was up
+                self.bus = read_bus_line(self.host)
+            _lap("bus known")
             self.client = BusClient(context, self.node_id, self.bus)
             self.client.handle("spawn", self._spawn)
             self.client.handle("shutdown", self._shutdown)
@@ -262,6 +271,31 @@ class Agent:
                 return
 
 
+def _lap(what: str) -> None:
+    """Debug: seconds since this agent's process started (``--severity debug``)."""
+    if log.isEnabledFor(logging.DEBUG):
+        import psutil
+
+        since = time.time() - psutil.Process().create_time()
+        log.debug("agent start-up: %s %.3f s after exec", what, since)
+
+
+def read_bus_line(host: str, timeout_s: float = 60.0) -> str:
+    """``--bus -``: the bus endpoints from the first line of stdin."""
+    import select
+    import sys
+
+    from evflow.runtime.busclient import BusEndpoints
+
+    ready, _, _ = select.select([sys.stdin], [], [], timeout_s)
+    line = sys.stdin.readline().strip() if ready else ""
+    if not line:
+        why = "no line" if ready else f"nothing within {timeout_s:g} s"
+        raise ConfigurationError(f"agent {host!r}: --bus -: {why} on stdin")
+    BusEndpoints.parse(line)
+    return line
+
+
 def run_agent(
     bus: str,
     session: str,
@@ -271,7 +305,12 @@ def run_agent(
     steering: dict[str, Any] | None = None,
 ) -> int:
     """``evflow agent``: import the device modules, then run the agent until told to stop."""
-    for name in (*PRELOAD, *preload):
+    from evflow.transport.farmkeys import ENV_KEYS
+
+    # with farm keys every device opens CURVE sockets: what those import (pyzmq's auth
+    # and socket monitor, and through them asyncio: ~20 ms) is loaded once, here
+    curve = CURVE_PRELOAD if os.environ.get(ENV_KEYS) else ()
+    for name in (*PRELOAD, *curve, *preload):
         try:
             importlib.import_module(name)
         except ImportError as exc:

@@ -19,6 +19,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import logging
 import os
@@ -33,8 +35,9 @@ from evflow.topology.intake import ControllerBus
 from evflow.topology.launch.base import AgentHandle, get_launcher
 from evflow.topology.protocol import (
     CONNECT_TIMEOUT_S,
+    CONTROLLER_BEAT_S,
     CONTROLLER_ID,
-    HEARTBEAT_S,
+    CURVE_PRELOAD,
     HOST_LOST_S,
     PROBE_S,
     agent_id,
@@ -43,7 +46,8 @@ from evflow.topology.protocol import (
 from evflow.topology.records import DeviceRecord, HostRecord, violations
 from evflow.topology.resolve import ResolvedTopology
 from evflow.topology.security import FarmSecurity, tcp_only_binds
-from evflow.topology.startup import STAGES, StartupSteps, route_source
+from evflow.topology.startup import StartupSteps, route_source
+from evflow.topology.walk import StartupWalk
 
 log = logging.getLogger("evflow.topology")
 
@@ -94,6 +98,8 @@ class Controller(StartupSteps):
         self.records = {d.id: DeviceRecord(d) for d in topology.devices.values()}
         self.hosts = {h: HostRecord(h) for h in sorted({d.host for d in topology.devices.values()})}
         self.handles: dict[str, AgentHandle] = {}
+        self._launching: dict[str, Any] = {}  # host -> future of an agent's launch
+        self._pool: Any = None
         self.phase = "starting"
         self.failure: str | None = None
         self.signals = 0
@@ -152,10 +158,16 @@ class Controller(StartupSteps):
                 {route_source(self.topology.hosts[h].address) for h in self.hosts}
             )
             self.security.apply_to_controller()
+            for module in CURVE_PRELOAD:  # into the zygote: the bus proxy serves CURVE
+                importlib.import_module(module)
         removed = remove_stale_sessions()
         if removed:
             log.info("pre-flight: removed leftovers of dead session(s) %s", ", ".join(removed))
         self.sup.start()  # zygote and bus proxy, before our own zmq context
+        early = self.launcher.name == "ssh"  # agents start while the bus comes up
+        if early:
+            self._check_interrupt()
+            self._launch_in_threads(self._agent_launches(None))
         claim_session(self.session)
         (self._session_dir() / "topology.json").write_text(
             json.dumps({"version": 1, "topology": self.topology.name, "pid": os.getpid()})
@@ -164,16 +176,15 @@ class Controller(StartupSteps):
         endpoints = self.sup.bus_endpoints
         self.bus = ControllerBus(self._context, endpoints, self.records, self.hosts, self._answer)
         self._wait_bus()
-        self._start_agents(self._agent_bus(endpoints))
+        self._lap("bus up")
+        if early:
+            self._collect_launches(self._agent_bus(endpoints))
+        else:
+            self._start_agents(self._agent_bus(endpoints))
+        self._lap("agents started")
         self._wait_agents()
         self._lap("agents up")
-        self._spawn()
-        self._lap("devices spawned")
-        for transition, target, moved in STAGES:
-            if transition == "CONNECT":
-                self._push_properties()
-            self._stage(transition, target, moved)
-            self._lap(f"all {target}")
+        StartupWalk(self).run()  # spawns, then each device to RUNNING as it gets ready
         self.phase = "running"
         self.running_after_s = time.monotonic() - self.started_s
         log.info(
@@ -213,7 +224,7 @@ class Controller(StartupSteps):
         starved = now - self._last_tick_s > HOST_LOST_S / 2
         self._last_tick_s = now
         if now >= self._next_beat:
-            self._next_beat = now + HEARTBEAT_S
+            self._next_beat = now + CONTROLLER_BEAT_S
             live = [agent_id(h) for h, r in self.hosts.items() if not r.lost]
             if live:
                 self.bus.tell("heartbeat", live)
@@ -385,6 +396,8 @@ class Controller(StartupSteps):
         from evflow.transport.paths import remove_session_files
         from evflow.transport.sessions import remove_stale_sessions
 
+        with contextlib.suppress(Exception):
+            self._collect_launches(None)  # agents still starting: their handles too
         for handle in self.handles.values():
             handle.terminate(grace_s=1.0)
         if self.bus is not None:

@@ -200,7 +200,14 @@ class ControllerBus:
         rec = self.records.get(sender)
         if rec is None:
             return
-        if header.get("cmd") in ("check-state", "ping"):
+        cmd = header.get("cmd")
+        if cmd == "set-property" and not header.get("req"):  # a device's notice
+            self._endpoints(data.get("endpoints"))
+            return
+        if cmd == "get-properties" and not header.get("req"):
+            self._get_properties(sender, data)
+            return
+        if cmd in ("check-state", "ping"):
             state = data.get("node_state")
             if isinstance(state, str):
                 rec.see_state(state)
@@ -214,6 +221,12 @@ class ControllerBus:
             if isinstance(key, str) and isinstance(urls, list) and urls:
                 self.properties[key] = [str(u) for u in urls]
 
+    def _get_properties(self, sender: str, args: dict[str, Any]) -> None:
+        keys = [k for k in args.get("keys") or [] if isinstance(k, str)]
+        known = {k: self.properties[k] for k in keys if k in self.properties}
+        if known:
+            self.send("set-properties", [sender], {"properties": known})
+
     def _command(self, sender: str, header: dict[str, Any]) -> None:
         cmd = str(header.get("cmd"))
         args = header.get("args") if isinstance(header.get("args"), dict) else {}
@@ -221,10 +234,7 @@ class ControllerBus:
             self._endpoints(args.get("endpoints"))
             return
         if cmd == "get-properties":
-            keys = [k for k in args.get("keys") or [] if isinstance(k, str)]
-            known = {k: self.properties[k] for k in keys if k in self.properties}
-            if known:
-                self.send("set-properties", [sender], {"properties": known})
+            self._get_properties(sender, args)
             return
         if cmd == "ping" and sender == CONTROLLER_ID:
             return

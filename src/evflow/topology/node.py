@@ -123,15 +123,19 @@ class Exchange:
         self._tell("set-property", {"endpoints": self.endpoints})
 
     def _tell(self, cmd: str, args: dict[str, Any]) -> None:
+        """A notice for the controller alone: a REPLY without request id. (A COMMAND
+        would reach every node: every device subscribes to commands and decodes them,
+        256 devices' endpoints would be 65536 deliveries; only the controller
+        subscribes to replies.)"""
         header = {
-            "cmd": cmd,
-            "to": CONTROLLER_ID,
             "req": "",
+            "cmd": cmd,
             "from": self.launch.id,
-            "ts": time.time(),
-            "args": args,
+            "to": CONTROLLER_ID,
+            "ok": True,
+            "data": {"node_id": self.launch.id, **args},
         }
-        self.client.publish(MsgType.COMMAND, header)
+        self.client.publish(MsgType.REPLY, header)
 
     # --- bus handlers ---------------------------------------------------------------
     def attach(self, device: Any) -> None:

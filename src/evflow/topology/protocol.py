@@ -11,8 +11,10 @@ controller -> agent (COMMAND, REPLY expected)
     ``shutdown {grace_s}``: stop every device (bus END, then SIGKILL after the grace),
     remove the host's ipc files and shm segments, exit.
 controller -> agents (COMMAND, no answer needed)
-    ``heartbeat {}`` every HEARTBEAT_S: an agent that hears none for CONTROLLER_LOST_S
-    stops its devices and exits (the controller is gone).
+    ``heartbeat {}`` every CONTROLLER_BEAT_S: an agent that hears none for
+    CONTROLLER_LOST_S stops its devices and exits (the controller is gone). Every
+    device decodes every command too (to see whether it is addressed), so this one is
+    rare: once a second, not four times.
 agent -> controller (METRICS, every HEARTBEAT_S and at once on a device exit)
     ``{from: agent.H, metrics: {..., agent: {host, session, pid, preflight,
     devices: {id: {pid, state, returncode, message, restarts}}}}}``; silence for
@@ -20,8 +22,10 @@ agent -> controller (METRICS, every HEARTBEAT_S and at once on a device exit)
 controller -> devices (COMMAND)
     ``transition {transition}`` (the bus's own), ``set-properties {properties:
     {"dev.chan": [endpoints]}}``, ``peer-lost {peer}`` (stop waiting for its END).
-device -> controller (COMMAND to ``controller``, fire and forget; the controller also
-    reads them from check-state replies, so a lost one costs a round trip, not the run)
+device -> controller (a REPLY without ``req`` to ``controller``, fire and forget: only
+    the controller subscribes to replies, while a COMMAND would wake every device; the
+    controller also reads endpoints from check-state replies, so a lost one costs a
+    round trip, not the run)
     ``set-property {endpoints: {"dev.chan": [endpoints]}}`` right after binding;
     ``get-properties {keys}`` while a connecting channel waits for its peer.
 device -> all (METRICS at exit): ``{from, metrics, summary, error}``.
@@ -33,8 +37,10 @@ PROTOCOL_VERSION = 1
 CONTROLLER_ID = "controller"
 AGENT_PREFIX = "agent."
 
-#: agent heartbeat and controller heartbeat period (s)
+#: agent heartbeat period (s)
 HEARTBEAT_S = 0.25
+#: controller heartbeat period (s): a COMMAND, which every device wakes up for
+CONTROLLER_BEAT_S = 1.0
 #: a host whose agent is silent this long is pinged, and lost if the ping is not
 #: answered within PROBE_S either (the goal: reported within 2 s)
 HOST_LOST_S = 1.2
@@ -43,6 +49,10 @@ PROBE_S = 0.5
 CONTROLLER_LOST_S = 6.0
 #: how long a connecting channel waits for its peer's endpoint by default (s)
 CONNECT_TIMEOUT_S = 20.0
+
+#: imported before a zygote forks when the farm uses CURVE keys (pyzmq's auth and
+#: socket monitor, and through them asyncio: lazy in evflow.transport.curve)
+CURVE_PRELOAD = ("zmq.auth", "zmq.utils.monitor", "evflow.transport._zap")
 
 #: reserved names a device may not take
 RESERVED_IDS = frozenset({CONTROLLER_ID, "bus"})

@@ -12,29 +12,23 @@ import logging
 import time
 from typing import Any
 
-from evflow.errors import ConfigurationError, PeerLostError, TimeoutError_
+from evflow.errors import PeerLostError, TimeoutError_
 from evflow.runtime.busclient import BusEndpoints
 from evflow.topology.intake import ControllerBus
 from evflow.topology.launch.base import AgentHandle
-from evflow.topology.protocol import CONTROLLER_ID, agent_id
 from evflow.topology.records import RANK, DeviceRecord, HostRecord
 from evflow.topology.resolve import ResolvedTopology
 from evflow.topology.security import BusRefusals, FarmSecurity
+from evflow.topology.walk import STAGES
 from evflow.transport.address import connectable
 
 __all__ = ["STAGES", "StartupSteps", "route_source"]
 
 log = logging.getLogger("evflow.topology")
 
-STAGES = (
-    ("INIT_DEVICE", "INITIALIZING_DEVICE", "INITIALIZING_DEVICE"),
-    ("COMPLETE_INIT", "INITIALIZED", "INITIALIZED"),
-    ("BIND", "BOUND", "BINDING"),
-    ("CONNECT", "DEVICE_READY", "CONNECTING"),
-    ("INIT_TASK", "READY", "INITIALIZING_TASK"),
-    ("RUN", "RUNNING", "RUNNING"),
-)
 _RESEND_S = 0.4
+#: a request to the young bus proxy is sent again after this (s)
+ASK_BUS_S = 0.1
 
 
 class StartupSteps:
@@ -44,6 +38,8 @@ class StartupSteps:
     records: dict[str, DeviceRecord]
     hosts: dict[str, HostRecord]
     handles: dict[str, AgentHandle]
+    _launching: dict[str, Any]
+    _pool: Any
     bus: ControllerBus | None
     local: bool
     stats_dir: str
@@ -65,36 +61,37 @@ class StartupSteps:
         raise NotImplementedError
 
     def _wait_bus(self) -> None:
-        assert self.bus is not None
-        deadline = time.monotonic() + 10.0
-        while time.monotonic() < deadline:
-            req = self.bus.send("ping", CONTROLLER_ID)
-            self.bus.pump(0.05)
-            self._check_interrupt()
-            if self.bus.replies.pop(req, None) is not None or self._bus_heard():
-                return
-        raise PeerLostError(f"session {self.session}: the control bus proxy does not answer")
+        """Until the bus proxy answers (its get-metrics reply, kept for _agent_bus)."""
+        self._bus_metrics = self._ask_bus("get-metrics", 10.0)
+        if self._bus_metrics is None:
+            raise PeerLostError(f"session {self.session}: the control bus proxy does not answer")
 
-    def _bus_heard(self) -> bool:
+    def _ask_bus(self, cmd: str, timeout_s: float) -> dict[str, Any] | None:
+        """The bus proxy's answer to ``cmd``, or None. Asked again every ASK_BUS_S: on a
+        young bus a request or its reply is dropped until the subscriptions are through
+        (and waiting in short slices: the start-up waits for this)."""
         assert self.bus is not None
-        req = self.bus.send("ping", "bus")
-        self.bus.pump(0.05)
-        return bool(self.bus.replies.pop(req, None))
+        deadline = time.monotonic() + timeout_s
+        req, next_send = "", 0.0
+        while time.monotonic() < deadline:
+            if time.monotonic() >= next_send:
+                if req:
+                    self.bus.forget(req)
+                req = self.bus.send(cmd, "bus")
+                next_send = time.monotonic() + ASK_BUS_S
+            self.bus.pump(0.005)
+            self._check_interrupt()
+            reply = self.bus.replies.get(req)
+            if reply:
+                self.bus.forget(req)
+                data = next(iter(reply.values())).get("data")
+                return data if isinstance(data, dict) else {}
+        return None
 
     def _agent_bus(self, endpoints: BusEndpoints) -> Any:
         if self.local:
             return lambda address: str(endpoints)
-        assert self.bus is not None
-        req = self.bus.send("get-metrics", "bus")
-        deadline = time.monotonic() + 5.0
-        next_send = time.monotonic() + 0.5
-        while not self.bus.replies.get(req) and time.monotonic() < deadline:
-            self.bus.pump(0.05)
-            if time.monotonic() >= next_send and not self.bus.replies.get(req):
-                next_send = time.monotonic() + 0.5  # a request lost on a young bus
-                self.bus.forget(req)
-                req = self.bus.send("get-metrics", "bus")
-        data = next(iter(self.bus.replies.pop(req, {}).values()), {}).get("data") or {}
+        data = getattr(self, "_bus_metrics", None) or {}
         pubs = [e for e in data.get("publish_endpoints", []) if e.startswith("tcp://")]
         subs = [e for e in data.get("subscribe_endpoints", []) if e.startswith("tcp://")]
         if not pubs or not subs:
@@ -106,32 +103,61 @@ class StartupSteps:
 
         return for_host
 
-    def _start_agents(self, agent_bus: Any) -> None:
-        """One agent per host; over ssh/Slurm all hosts at once (each start waits for
-        its remote side: about a second per host over ssh)."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        self._check_interrupt()
+    def _agent_launches(self, agent_bus: Any) -> dict[str, tuple[Any, list[str], dict[str, str]]]:
+        """(host, agent args, env) per host; ``agent_bus`` None: ``--bus -`` (the bus
+        address follows on the agent's stdin, see _launch_in_threads)."""
         launches = {}
         for name in self.hosts:
             host = self.topology.hosts[name]
-            args = ["--bus", agent_bus(host.address), "--session", self.session, "--host", name]
+            bus = agent_bus(host.address) if agent_bus is not None else "-"
+            args = ["--bus", bus, "--session", self.session, "--host", name]
             for module in self.preload:
                 args += ["--preload", module]
             launches[name] = (host, args, self._agent_env(name))
+        return launches
+
+    def _start_agents(self, agent_bus: Any) -> None:
+        """One agent per host; over ssh/Slurm all hosts at once (each start waits for
+        its remote side: about a second per host over ssh)."""
+        self._check_interrupt()
+        launches = self._agent_launches(agent_bus)
         if self.local:  # a fork each: quick, and preexec_fn is no friend of threads
             for name, (host, args, env) in launches.items():
                 self._check_interrupt()
                 self.handles[name] = self.launcher.start_agent(host, args, env)
             return
+        self._launch_in_threads(launches)
+        self._collect_launches(None)
+
+    def _launch_in_threads(self, launches: dict[str, Any]) -> None:
+        """Start the launches, one thread each; _collect_launches() takes the handles.
+        The ssh launcher starts agents this way before the bus exists (``--bus -``):
+        ssh, the remote shell and the agent's imports take most of a second, which
+        the controller spends bringing up its bus meanwhile."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(max_workers=min(32, len(launches)))
+        self._launching = {
+            n: self._pool.submit(self.launcher.start_agent, *a) for n, a in launches.items()
+        }
+
+    def _collect_launches(self, agent_bus: Any) -> None:
+        """Every started agent into ``handles`` (close() ends them); with ``agent_bus``,
+        each is sent its bus address (``--bus -``). The first launch error is raised."""
         error: BaseException | None = None
-        with ThreadPoolExecutor(max_workers=min(32, len(launches))) as pool:
-            futures = {n: pool.submit(self.launcher.start_agent, *a) for n, a in launches.items()}
-            for name, future in futures.items():
-                try:
-                    self.handles[name] = future.result()
-                except Exception as exc:  # every started agent is in handles for close()
-                    error = error or exc
+        launching, self._launching = self._launching, {}
+        for name, future in launching.items():
+            try:
+                handle = future.result()
+            except Exception as exc:
+                error = error or exc
+                continue
+            self.handles[name] = handle
+            if agent_bus is not None:
+                handle.send_line(agent_bus(self.topology.hosts[name].address))
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
         if error is not None:
             raise error
         self._check_interrupt()
@@ -140,7 +166,7 @@ class StartupSteps:
         deadline = time.monotonic() + self.start_timeout_s
         refusals = BusRefusals(self) if self.security is not None else None
         while missing := [h for h, r in self.hosts.items() if r.last_beat_s is None]:
-            self._tick(0.05)
+            self._tick(0.01)  # the spawn goes out as soon as the last agent is heard
             if refusals is not None:
                 refusals.check(missing)
             for name in missing:
@@ -168,83 +194,6 @@ class StartupSteps:
                     live.get("session"),
                     live.get("pid"),
                 )
-
-    def _spawn(self) -> None:
-        assert self.bus is not None
-        pending = {}
-        for name in self.hosts:
-            args = {
-                "devices": [d.to_wire() for d in self.topology.on_host(name)],
-                "connect_timeout_s": self.connect_timeout_s,
-                "stats_dir": self.stats_dir,
-            }
-            pending[name] = (self.bus.send("spawn", agent_id(name), args), args)
-        deadline = time.monotonic() + self.start_timeout_s
-        next_send = time.monotonic() + 2.0
-        while pending:
-            self._tick(0.05)
-            for name, (req, _args) in list(pending.items()):
-                reply = self.bus.replies.get(req, {}).get(agent_id(name))
-                if reply is None:
-                    continue
-                self.bus.forget(req)
-                del pending[name]
-                if not reply.get("ok"):
-                    raise ConfigurationError(f"host {name!r}: spawn failed: {reply.get('error')}")
-            if time.monotonic() > next_send:  # same req: an agent never spawns twice
-                next_send = time.monotonic() + 2.0
-                for name, (req, args) in pending.items():
-                    self.bus.send("spawn", agent_id(name), args, req=req)
-            if pending and time.monotonic() > deadline:
-                raise TimeoutError_(f"host(s) {', '.join(pending)}: spawn not answered")
-
-    def _stage(self, transition: str, target: str, moved: str) -> None:
-        assert self.bus is not None
-        goal, moved_rank = RANK[target], RANK[moved]
-        deadline = self.started_s + self.start_timeout_s + self.connect_timeout_s
-
-        def laggards(rank: int) -> list[str]:
-            return [r.id for r in self.records.values() if not r.ended and r.rank < rank]
-
-        todo = laggards(goal)
-        if todo:
-            self.bus.tell("transition", todo, {"transition": transition}, quiet=True)
-        next_send = time.monotonic() + _RESEND_S
-        while todo := laggards(goal):
-            self._tick(0.02)
-            now = time.monotonic()
-            if now >= next_send:
-                next_send = now + _RESEND_S
-                unmoved = laggards(moved_rank)
-                if unmoved:
-                    self.bus.tell("transition", unmoved, {"transition": transition}, quiet=True)
-                self.bus.tell("check-state", todo)
-            if now > deadline:
-                states = ", ".join(f"{d} {self.records[d].state}" for d in todo[:10])
-                raise TimeoutError_(
-                    f"device(s) did not reach {target} within {self.start_timeout_s:g} s: {states}"
-                )
-
-    def _push_properties(self) -> None:
-        """All binders' endpoints known (asked for if missed), then sent to everyone."""
-        assert self.bus is not None
-        wanted = {
-            f"{d.id}.{c.name}"
-            for d in self.topology.devices.values()
-            for c in d.channels
-            if c.bind and not self.records[d.id].ended
-        }
-        deadline = time.monotonic() + 5.0
-        while missing := sorted(wanted - set(self.bus.properties)):
-            owners = sorted({k.split(".")[0] for k in missing})
-            self.bus.tell("check-state", owners)
-            self._tick(0.1)
-            if time.monotonic() > deadline:
-                raise TimeoutError_(f"no endpoints published by {', '.join(owners)}")
-        targets = [r.id for r in self.records.values() if not r.ended]
-        if targets:
-            args = {"properties": self.bus.properties}
-            self.bus.tell("set-properties", targets, args, quiet=True)
 
     # --- watching --------------------------------------------------------------------
     def _rewalk(self, now: float) -> None:

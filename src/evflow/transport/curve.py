@@ -26,14 +26,14 @@ import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
-import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
-from zmq.utils.monitor import recv_monitor_message
 
 from evflow.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from evflow.transport._zap import _Zap
 
 log = logging.getLogger("evflow.curve")
 
@@ -73,6 +73,8 @@ def create_keys(directory: str | Path, names: list[str]) -> list[tuple[Path, Pat
     old_umask = os.umask(0o077)  # the secret file never exists with a wider mode
     try:
         for name in names:
+            import zmq.auth
+
             public, secret = zmq.auth.create_certificates(directory, name)
             os.chmod(secret, 0o600)
             os.chmod(public, 0o644)
@@ -115,6 +117,8 @@ def load_public_key(path: str | Path) -> bytes:
 
 def _load(path: Path) -> tuple[bytes, bytes]:
     try:
+        import zmq.auth
+
         public, secret = zmq.auth.load_certificate(path)
     except (ValueError, OSError) as exc:
         raise ConfigurationError(f"{str(path)!r} is not a CURVE key file: {exc}") from None
@@ -133,37 +137,13 @@ def allowed_keys(directory: str | Path) -> dict[bytes, bool]:
 
 
 # --- ZAP: one handler per context, a domain per server channel -----------------------
-class _Zap(ThreadAuthenticator):
-    """pyzmq's ZAP thread, which also reports each refusal with the peer's address."""
-
-    def __init__(self, context: zmq.Context[Any]) -> None:
-        super().__init__(context, log=logging.getLogger("evflow.curve.zap"))
-        self.users = 0
-        self.guards: dict[str, CurveSecurity] = {}
-        self._request: tuple[str, str, bytes] = ("", "", b"")
-
-    def handle_zap_message(self, msg: list[bytes]) -> Any:
-        domain = msg[2].decode(errors="replace") if len(msg) > 2 else ""
-        address = msg[3].decode(errors="replace") if len(msg) > 3 else ""
-        self._request = (domain, address, msg[6] if len(msg) > 6 else b"")
-        return super().handle_zap_message(msg)
-
-    def _send_zap_reply(self, request_id: bytes, status_code: bytes, status_text: bytes,
-                        user_id: str = "anonymous") -> None:  # fmt: skip
-        if status_code != b"200":
-            domain, address, key = self._request
-            guard = self.guards.get(domain)
-            if guard is not None:
-                z85 = zmq.utils.z85.encode(key).decode() if len(key) == 32 else "none"
-                guard.refused(address, f"client key {z85} not in the allow-list")
-        super()._send_zap_reply(request_id, status_code, status_text, user_id)
-
-
 _zaps: dict[int, _Zap] = {}
 _zap_lock = threading.Lock()
 
 
 def _zap_for(context: zmq.Context[Any]) -> _Zap:
+    from evflow.transport._zap import _Zap  # pyzmq's auth thread pulls in asyncio
+
     with _zap_lock:
         zap = _zaps.get(id(context))
         if zap is None or zap.context is not context:
@@ -258,6 +238,8 @@ class CurveSecurity:
     def _watch(self, monitor: zmq.Socket[Any]) -> None:
         failed: str | None = None
         try:
+            from zmq.utils.monitor import recv_monitor_message  # asyncio: only with CURVE
+
             while True:
                 event = recv_monitor_message(monitor)
                 kind, value, endpoint = event["event"], event["value"], event["endpoint"]

@@ -11,6 +11,10 @@ The guard is a child subreaper (``PR_SET_CHILD_SUBREAPER``): a grandchild orphan
 a dying agent is re-parented to the guard, not to init, so nothing escapes the sweep.
 The command gets ``PR_SET_PDEATHSIG`` (SIGTERM) should the guard itself be killed.
 
+A ``stdin TEXT`` line is passed on to the command's stdin as ``TEXT`` (the ssh launcher
+starts an agent before the controller's bus exists and sends it the bus address this
+way: ``evflow agent --bus -``).
+
 Before anything else it prints one line on stderr, ``evflow-guard: started pid=N``,
 which tells the launcher that the host was reached and the command started. Exit code:
 the command's (128 + signal number when a signal ended it).
@@ -62,7 +66,7 @@ class Guard:
         try:
             self.child = subprocess.Popen(
                 self.argv,
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL if self.detached else subprocess.PIPE,
                 start_new_session=True,
                 preexec_fn=_child_setup,
             )
@@ -102,6 +106,17 @@ class Guard:
                 words = line.decode(errors="replace").split()
                 if words[:1] == ["term"]:
                     self.stop_grace_s = _grace(words[1:])
+                elif line.startswith(b"stdin "):
+                    self._pass_on(line[len(b"stdin ") :] + b"\n")
+
+    def _pass_on(self, data: bytes) -> None:
+        """Write ``data`` to the command's stdin (gone already: dropped)."""
+        pipe = self.child.stdin if self.child is not None else None
+        if pipe is None:
+            return
+        with contextlib.suppress(OSError, ValueError):
+            pipe.write(data)
+            pipe.flush()
 
     def _reap(self) -> bool:
         """Reap every exited child (orphans are ours too); True once the command ended."""
@@ -120,6 +135,9 @@ class Guard:
 
     def _sweep(self, grace_s: float) -> None:
         """SIGTERM the command's tree, wait up to ``grace_s``, SIGKILL what is left."""
+        if self.child is not None and self.child.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.child.stdin.close()
         me = psutil.Process()
         tree = me.children(recursive=True)
         if self.child is not None and self.returncode is None:

@@ -117,6 +117,15 @@ class GuardedProcess:
                 return line.strip()
         return "(no error output)"
 
+    def send_line(self, text: str) -> None:
+        """Pass one line to the command's stdin (through the guard's ``stdin`` line)."""
+        stdin = self.process.stdin
+        if stdin is None or stdin.closed:
+            return
+        with contextlib.suppress(OSError, ValueError):
+            stdin.write(f"stdin {text}\n".encode())
+            stdin.flush()
+
     # --- AgentHandle -----------------------------------------------------------------------
     def poll(self) -> int | None:
         return self.process.poll()

@@ -18,9 +18,10 @@ The layout is :func:`evflow.qc.layers.layer_layout`, the wiring
 ``NAME-merger-<layer>-<i>`` (``NAME-merger`` when there is one) of class ``qc-merger``
 with a bound ``qc-in`` and a ``qc-out`` to its parent's ``qc-in`` (the top's to the
 repository's, if named); each producer gets a ``qc-out`` DEALER to its layer-1
-merger, routed per instance. Placement: a layer-1 merger goes on the host where most
-of its producers run, a middle one where most of its inputs run, the top on the
-topology's first host (``localhost`` without hosts); ``hosts`` overrides it.
+merger, routed per instance. Placement: a merger below the top goes on the host where
+most of its inputs run (on a tie, the one of them with the fewest mergers of its layer
+so far: producers placed round robin spread their mergers over their hosts), the top
+on the topology's first host (``localhost`` without hosts); ``hosts`` overrides it.
 """
 
 from __future__ import annotations
@@ -226,6 +227,7 @@ def _merger_hosts(
                 )
     placed: dict[str, str] = {}
     index = Counter[int]()
+    load = Counter[tuple[int, str]]()  # (layer, host) -> mergers placed there
     for spec in specs:
         if given is not None:
             pool = given[spec.layer]
@@ -233,8 +235,12 @@ def _merger_hosts(
             index[spec.layer] += 1
         elif spec.parent is None:
             placed[spec.id] = _host_list(topo)[0]
-        else:  # where most of its inputs run (the first of them on a tie)
-            placed[spec.id] = Counter(host_of[i] for i in spec.inputs).most_common(1)[0][0]
+        else:  # where most of its inputs run; on a tie, the one with fewest mergers yet
+            counts = Counter(host_of[i] for i in spec.inputs)
+            best = max(counts.values())
+            tied = [h for h, n in counts.items() if n == best]
+            placed[spec.id] = min(tied, key=lambda h: load[(spec.layer, h)])
+        load[(spec.layer, placed[spec.id])] += 1
         host_of[spec.id] = placed[spec.id]
     return placed
 

@@ -120,6 +120,36 @@ def test_one_merger_and_default_localhost() -> None:
     assert m.channels[0].bind == "ipc://"
 
 
+def test_producers_in_a_collection_feed_the_merger_of_their_block() -> None:
+    data = {
+        "devices": {
+            "source": {
+                "class": "evflow.qc.toy:ToyEvents",
+                "params": {"copies": 6},
+                "channels": [{"name": "data", "type": "dealer", "connect": "producer.data-in"}],
+            },
+            "producer": {
+                "class": "qc-producer",
+                "channels": [{"name": "data-in", "type": "router", "bind": True}],
+            },
+        },
+        "collections": {"chain": {"devices": ["source", "producer"], "hosts": "every"}},
+        "hosts": {f"h{i}": {"address": f"10.9.0.{i}"} for i in range(1, 7)},
+        "qc": {"det": {"producers": "producer", "reduction": 3}},
+    }
+    topo = resolved(data)
+    devs = topo.devices
+    assert devs["det-merger-0-0"].params["expected"] == "producer_0,producer_1,producer_2"
+    assert devs["det-merger-0-1"].params["expected"] == "producer_3,producer_4,producer_5"
+    # each block is on three hosts, one producer each: the first host of the block
+    assert (devs["det-merger-0-0"].host, devs["det-merger-0-1"].host) == ("h1", "h4")
+    assert devs["det-merger-1-0"].host == "h1"
+    for k in range(6):
+        assert devs[f"source_{k}"].host == devs[f"producer_{k}"].host == f"h{k + 1}"
+        (out,) = [c for c in devs[f"producer_{k}"].channels if c.name == "qc-out"]
+        assert [key for key, _ in out.connect] == [f"det-merger-0-{k // 3}.qc-in"]
+
+
 @pytest.mark.parametrize(
     ("qc", "message"),
     [
@@ -162,6 +192,10 @@ def test_one_merger_and_default_localhost() -> None:
             "restart = on-failure needs state_dir",
         ),
         ({"producers": "producer", "reduction": 4, "layers": 2}, "unknown key 'layers'"),
+        (
+            {"producers": "repository", "reduction": 4},
+            "producers = 'repository' is a device of class 'qc-repository', not a QC producer",
+        ),
     ],
 )
 def test_bad_qc_tables_are_one_error_naming_file_and_fix(qc: dict[str, Any], message: str) -> None:

@@ -158,12 +158,34 @@ def _producer_device(
             f"{where}: device {name!r} already has a channel {OUT!r}; remove it (the layers "
             "wire each producer to its merger)"
         )
+    if not _is_producer(dev.cls):
+        raise ConfigurationError(
+            f"{where}: producers = {name!r} is a device of class {dev.cls!r}, not a QC "
+            'producer; name a device of class "qc-producer" (or a subclass of it)'
+        )
+    if dev.params.get("source"):
+        raise ConfigurationError(
+            f"{where}: device {name!r} sets source = {dev.params['source']!r}, which every "
+            "instance would share; remove it (each instance publishes as its device id)"
+        )
     if dev.params.get("merger"):
         raise ConfigurationError(
             f"{where}: device {name!r} sets merger = {dev.params['merger']!r}; remove it "
             "(the layers wire each producer to its merger through qc-out)"
         )
     return dev
+
+
+def _is_producer(cls: str) -> bool:
+    """False for a class that loads and is no QcProducer (one that does not load is
+    reported by the class check of the whole file)."""
+    from evflow.qc.producer_device import QcProducer
+    from evflow.runtime.runner import load_device_class
+
+    try:
+        return issubclass(load_device_class(cls), QcProducer)
+    except ConfigurationError:
+        return True
 
 
 def _instances(topo: TopologySpec, dev: DeviceSpec) -> tuple[list[str], list[str]]:

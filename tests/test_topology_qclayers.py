@@ -214,6 +214,38 @@ def test_the_example_resolves_to_two_layers_and_a_repository() -> None:
     )
 
 
+def assert_sequential_fill(
+    repo_path: Path, n_events: int, run: int, producers: list[str], lower: list[str], top: str
+) -> None:
+    """The final objects in the repository equal ToyQc filled with every event in order,
+    and the top's completeness names every producer (through ``lower``) as ended."""
+    ref = ToyQc(name="toy")
+    ref.initialize()
+    for i in range(n_events):
+        ref.event(toy_event(i, run))
+    with Repository(repo_path, readonly=True) as repo:
+        assert sorted(repo.paths()) == sorted(f"qc/toy/{n}" for n in ref.objects)
+        got = {}
+        for name in ref.objects:
+            stored = repo.latest(f"qc/toy/{name}", run=run)
+            assert stored is not None and stored.metadata["final"], name
+            got[name] = stored
+    for name in ("h1", "h2", "h3", "hn"):
+        assert got[name].obj == ref.objects[name], name
+        assert np.array_equal(got[name].obj.view(flow=True), ref.objects[name].view(flow=True)), (
+            name
+        )
+    assert got["count"].obj == n_events == ref.objects["count"]
+    assert np.array_equal(got["sums"].obj, ref.objects["sums"])
+    rows, want = got["rows"].obj.sorted_by("i"), ref.objects["rows"].sorted_by("i")
+    assert np.array_equal(rows["i"], want["i"]) and np.array_equal(rows["x"], want["x"])
+    done = got["h1"].completeness  # in producers, through the layers
+    assert done["expected"] == producers and done["ended"] == producers
+    assert done["missing"] == [] and sum(done["events_by_source"].values()) == n_events
+    assert done["mergers"]["ended"] == lower
+    assert got["h1"].event_count == n_events and got["h1"].metadata["merger"] == top
+
+
 def test_example_through_evflow_up_stores_the_sequential_fill(tmp_path: Path) -> None:
     """8 sources -> 8 producers -> 2 mergers -> 1 -> repository, real processes: the
     final objects in the repository equal ToyQc filled with all 40000 events in order."""
@@ -225,29 +257,8 @@ def test_example_through_evflow_up_stores_the_sequential_fill(tmp_path: Path) ->
         timeout=180,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ref = ToyQc(name="toy")
-    ref.initialize()
-    for i in range(40_000):
-        ref.event(toy_event(i, 7))
-    with Repository(tmp_path / "qc-layers.sqlite", readonly=True) as repo:
-        assert sorted(repo.paths()) == sorted(f"qc/toy/{n}" for n in ref.objects)
-        got = {}
-        for name in ref.objects:
-            stored = repo.latest(f"qc/toy/{name}", run=7)
-            assert stored is not None and stored.metadata["final"], name
-            got[name] = stored
-    for name in ("h1", "h2", "h3", "hn"):
-        assert got[name].obj == ref.objects[name], name
-        assert np.array_equal(got[name].obj.view(flow=True), ref.objects[name].view(flow=True)), (
-            name
-        )
-    assert got["count"].obj == 40_000 == ref.objects["count"]
-    assert np.array_equal(got["sums"].obj, ref.objects["sums"])
-    rows, want = got["rows"].obj.sorted_by("i"), ref.objects["rows"].sorted_by("i")
-    assert np.array_equal(rows["i"], want["i"]) and np.array_equal(rows["x"], want["x"])
-    top = got["h1"].completeness  # in producers, through the layers
     producers = [f"producer_{k}" for k in range(8)]
-    assert top["expected"] == producers and top["ended"] == producers and top["missing"] == []
-    assert top["events_by_source"] == dict.fromkeys(producers, 5000)
-    assert top["mergers"]["ended"] == ["toy-merger-0-0", "toy-merger-0-1"]
-    assert got["h1"].event_count == 40_000 and got["h1"].metadata["merger"] == "toy-merger-1-0"
+    assert_sequential_fill(
+        tmp_path / "qc-layers.sqlite", 40_000, 7, producers,
+        ["toy-merger-0-0", "toy-merger-0-1"], "toy-merger-1-0",
+    )  # fmt: skip

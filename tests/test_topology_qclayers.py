@@ -205,6 +205,13 @@ def test_bad_qc_tables_are_one_error_naming_file_and_fix(qc: dict[str, Any], mes
     assert str(info.value).startswith("t.toml")
 
 
+def test_a_qc_name_that_cannot_prefix_device_names_is_refused() -> None:
+    data = spec_500({"producers": "producer", "reduction": 50})
+    data["qc"] = {"9det": data["qc"]["det"]}
+    with pytest.raises(ConfigurationError, match=r"t.toml: \[qc.9det\]: the name must start"):
+        parse_topology(data, source="t.toml")
+
+
 def test_the_example_resolves_to_two_layers_and_a_repository() -> None:
     topo = resolve(load_topology(EXAMPLE))
     mergers = sorted(d.id for d in topo.devices.values() if d.cls == "qc-merger")

@@ -26,6 +26,7 @@ on the topology's first host (``localhost`` without hosts); ``hosts`` overrides 
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import replace
 from typing import Any
@@ -52,6 +53,7 @@ _KEYS = {
 #: merger parameters the layers set themselves
 _SET_BY_LAYERS = ("expected", "expected_count", "inputs", "state_file")
 IN, OUT = "qc-in", "qc-out"
+_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,24}$")
 
 
 def expand_qc(
@@ -87,6 +89,11 @@ def _expand_one(
     source: str,
 ) -> dict[str, DeviceSpec]:
     where = f"{source}: [qc.{name}]"
+    if not _NAME_RE.match(name):
+        raise ConfigurationError(
+            f"{where}: the name must start with a letter, then letters, digits, '_' or '-' "
+            "(at most 25: it prefixes the merger names, NAME-merger-<layer>-<i>)"
+        )
     if not isinstance(entry, dict):
         raise ConfigurationError(f"{where} must be a table (producers = ..., mergers_per_layer)")
     unknown = sorted(set(entry) - _KEYS)

@@ -45,7 +45,7 @@ from evflow.processing.module import Module
 from evflow.processing.parallel.deltas import DeltaEncoder
 from evflow.qc.objects import encode_object, is_mergeable
 from evflow.qc.recordbatch import RecordBatch
-from evflow.transport.channel import ChannelConfig, open_channel
+from evflow.transport.channel import Channel, ChannelConfig, open_channel
 from evflow.wire.messages import BadMessageCounter, MsgType, encode_message
 
 log = logging.getLogger("evflow.qc")
@@ -115,18 +115,23 @@ class QcPublisher:
         resend_after_s: float = 5.0,
         hwm: int = 1000,
         clock: Callable[[], float] = time.monotonic,
+        channel: Channel | None = None,
     ) -> None:
-        config = ChannelConfig(
-            name="qc-delta",
-            type="dealer",
-            method="connect",
-            address=address,
-            sndBufSize=hwm,
-            rcvBufSize=hwm,
-            linger=0,
-            rateLogging=0,
-        )
-        self.channel = open_channel(context, config, session)
+        """``channel``: an open DEALER to the merger (a device's ``qc-out``) instead of
+        ``address``; it is closed with the publisher."""
+        if channel is None:
+            config = ChannelConfig(
+                name="qc-delta",
+                type="dealer",
+                method="connect",
+                address=address,
+                sndBufSize=hwm,
+                rcvBufSize=hwm,
+                linger=0,
+                rateLogging=0,
+            )
+            channel = open_channel(context, config, session)
+        self.channel = channel
         self.source, self.task, self.run = source, task, run
         self.max_unacked = max(1, max_unacked)
         self.resend_after_s = resend_after_s
@@ -281,6 +286,8 @@ class QcTask(Module):
         self._encoder = DeltaEncoder()
         self._skipped: set[str] = set()
         self._context: zmq.Context[Any] | None = None
+        #: an open DEALER to the merger, used instead of ``merger`` (a device's qc-out)
+        self.out_channel: Channel | None = None
 
     # --- override ------------------------------------------------------------------------
     def book(self) -> None:
@@ -299,7 +306,7 @@ class QcTask(Module):
 
     def begin_run(self, run: RunMeta) -> None:
         self.run_number = run.run
-        if self.merger and self.publisher is None:
+        if (self.merger or self.out_channel is not None) and self.publisher is None:
             self._context = zmq.Context()
             source = self.source or f"{self.task_name}@{socket.gethostname()}:{os.getpid()}"
             self.publisher = QcPublisher(
@@ -311,6 +318,7 @@ class QcTask(Module):
                 session=self.session,
                 max_unacked=self.max_unacked,
                 resend_after_s=self.resend_after_s,
+                channel=self.out_channel,
             )
         self._next_s = time.monotonic() + self._cycle_s
 

@@ -4,7 +4,9 @@
 the task on every event that arrives on ``data-in`` (EVENTS messages of the default
 codec, single events or batches) and publishes like a task in a path. END from every
 input (``inputs``, default one per sub-channel) ends the run: the last publication is
-acknowledged by the merger before the device stops.
+acknowledged by the merger before the device stops. Without ``--merger`` it publishes
+on its ``qc-out`` channel (a DEALER connected to a merger's ``qc-in``): that is how a
+topology's ``[qc.NAME]`` layers wire it (:mod:`evflow.topology.qclayers`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from evflow.wire.codec import decode_batch, decode_event
 from evflow.wire.messages import Message, MsgType
 
 log = logging.getLogger("evflow.qc")
+
+#: the DEALER to the merger when ``merger`` is not given (a topology's qc layers add it)
+OUT = "qc-out"
 
 
 def load_task_class(spec: str) -> type[QcTask]:
@@ -55,7 +60,7 @@ class QcProducer(Device):
 
     task = Param(str, "", "the QcTask class, module:Class")
     task_params = Param(str, "{}", "the task's parameters as a JSON object")
-    merger = Param(str, "", "the merger's qc-in address")
+    merger = Param(str, "", "the merger's qc-in address (empty: the qc-out channel)")
     cycle_s = Param(float, 10.0, "publication cycle (s)")
     mode = Param(str, "delta", "publish deltas or full objects", choices=("delta", "full"))
     source = Param(str, "", "source id (default: the device id)")
@@ -78,6 +83,8 @@ class QcProducer(Device):
             source=self.source or self.id, session=self.session,
         )  # fmt: skip
         self.qc_task = cls(**params)
+        if not self.merger and self.has_channel(OUT):
+            self.qc_task.out_channel = self.channel(OUT)
         self.qc_task.initialize()
         self.qc_task.begin_run(RunMeta(0, self.run_number))
         self.events_in = 0

@@ -11,7 +11,8 @@
   another host; the real endpoints travel over the bus at start-up. A connecting
   channel of instance i reaches instance ``i mod n`` of its peer (``peers = "one"``,
   fan-in), every instance (``peers = "all"``), or the peer of its own copy when both
-  are in the same collection.
+  are in the same collection; a ``route`` (QC merger layers) names the peer device of
+  each instance.
 - Devices with an ``inputs`` parameter (sink, merger, ...) that the file leaves unset
   get the number of peers connected to their input channel, so they wait for one END
   from each.
@@ -193,9 +194,9 @@ def resolve(spec: TopologySpec) -> ResolvedTopology:
         for ch in dev.channels:
             if ch.connect is None:
                 continue
-            peer = spec.devices[ch.peer_device]
-            targets = instances[peer.name]
             for dev_id, host, k in instances[dev.name]:
+                peer = spec.devices[ch.route[k] if ch.route else ch.peer_device]
+                targets = instances[peer.name]
                 chosen = _peers_of(dev, peer, ch, k, targets)
                 if not chosen:
                     raise ConfigurationError(

@@ -23,6 +23,10 @@ devices = ["reco", "qc"]
 instances = 3
 n_min = 2                             # keep running while >= 2 copies are alive
 expendable = false                    # true: its loss never stops the rest
+
+[qc.det]                              # QC merger layers (evflow.topology.qclayers)
+producers = "qc"
+mergers_per_layer = [2, 1]            # or reduction = 50
 ```
 
 Every mistake is one ConfigurationError that names the file, the device and the fix.
@@ -56,7 +60,7 @@ EVERY_HOST = "every"
 PEER_MODES = ("one", "all")
 RESTARTS = ("never", "on-failure")
 _NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,39}$")
-_TOP_KEYS = {"name", "devices", "collections", "hosts"}
+_TOP_KEYS = {"name", "devices", "collections", "hosts", "qc"}
 _DEVICE_KEYS = {
     "class",
     "instances",
@@ -95,6 +99,8 @@ class ChannelSpec:
     address: str | None = None
     peers: str = "one"
     options: dict[str, Any] = field(default_factory=dict)
+    #: instance k connects to device ``route[k]`` (same channel name): set by ``[qc]``
+    route: tuple[str, ...] = ()
 
     @property
     def peer_device(self) -> str:
@@ -207,6 +213,10 @@ def parse_topology(
         dname: _device(dname, entry, source, member_of.get(dname))
         for dname, entry in raw_devices.items()
     }
+    if "qc" in data:  # QC merger layers: more devices, producers wired to them
+        from evflow.topology.qclayers import expand_qc
+
+        devices = expand_qc(data["qc"], devices, collections, all_hosts, source)
     spec = TopologySpec(name, source, devices, collections, all_hosts)
     checks.check_hosts(spec)
     checks.check_channels(spec)

@@ -50,6 +50,11 @@ class Lines:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             _, rest = self.proc.communicate()
-            raise AssertionError("evflow up did not finish") from None
+            lines = [line for _, line in self.seen] + (self._buf.decode() + rest).splitlines()
+            said = [line for line in lines if "msg/s" not in line]  # not the rate lines
+            raise AssertionError(
+                "evflow up did not finish; its last lines (rates left out):\n"
+                + "\n".join(said[-80:])
+            ) from None
         text = "\n".join(line for _, line in self.seen) + "\n" + self._buf.decode() + rest
         return self.proc.returncode, text

@@ -189,6 +189,26 @@ def test_a_spec_asking_for_a_wrong_number_of_zero_bytes_is_refused(length: int) 
     assert merger.merged == {}
 
 
+def test_a_small_delta_cannot_make_the_merger_allocate_more_than_it_sent() -> None:
+    """A hostile head: 1 GiB of zero bins asked for by a message of a few hundred bytes
+    is refused before anything is allocated (it would stay in the template cache)."""
+    import resource
+
+    h = new_value_hist()
+    h.fill([0.5])
+    frames = DeltaEncoder().take({"h": h})
+    assert frames is not None
+    merger = DeltaMerger()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(CodecError, match="zero bytes"):
+        merger.merge(_with_zero_length(frames, 1 << 30))
+    grown_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown_kb < 100_000  # not the 1 GiB asked for
+    assert merger.merged == {}
+    merger.merge(frames)  # the same objects, honest, still merge
+    assert merger.merged["h"].sum() == 1
+
+
 # --- which deltas the output merges -------------------------------------------------------
 def delta_of(n_fills: int) -> list[bytes]:
     h = new_value_hist()

@@ -67,6 +67,9 @@ def _additive() -> tuple[type, ...]:
 
 #: the most zero bytes one spec may ask for (a frame sent as its length)
 MAX_ZERO_FRAME = 1 << 31
+#: beyond the size of the message itself, the zero bytes a whole histogram (kind ``x``)
+#: may ask for: an empty non-additive histogram travels as its description only
+X_ZERO_ALLOWANCE = 1 << 26
 
 
 def _pack_spec(obj: Any) -> bytes:
@@ -79,12 +82,18 @@ def _pack_spec(obj: Any) -> bytes:
     return msgpack.packb([head, *packed])
 
 
-def _unpack_spec(spec: bytes) -> Any:
+def _unpack_spec(spec: bytes, zero_limit: int) -> Any:
+    """``zero_limit``: the most zero bytes the spec may ask for in all. A spec comes
+    from a peer: without a limit a few hundred bytes could make us allocate gigabytes."""
     head, *frames = msgpack.unpackb(spec)
     for i, frame in enumerate(frames):
         if type(frame) is int:
-            if not 0 <= frame <= MAX_ZERO_FRAME:
-                raise CodecError(f"histogram delta spec asks for {frame} zero bytes")
+            if not 0 <= frame <= min(MAX_ZERO_FRAME, zero_limit):
+                raise CodecError(
+                    f"histogram delta spec asks for {frame} zero bytes (at most "
+                    f"{min(MAX_ZERO_FRAME, zero_limit)} here)"
+                )
+            zero_limit -= frame
             frames[i] = bytes(frame)
     return decode_persistent(head, frames)["t"]
 
@@ -203,10 +212,12 @@ class DeltaMerger:
         # name -> (merged histogram, its spec, its bins as a plain ndarray view)
         self._targets: dict[str, tuple[Any, bytes, np.ndarray]] = {}
 
-    def _template(self, spec: bytes) -> tuple[Any, np.dtype[Any], tuple[int, ...]]:
+    def _template(self, spec: bytes, bins: int) -> tuple[Any, np.dtype[Any], tuple[int, ...]]:
+        """``bins``: the byte size of the delta's bin frame; an empty histogram of this
+        spec holds no more zeros than that (kept templates stay bounded by what came)."""
         found = self._templates.get(spec)
         if found is None:
-            tmpl = _unpack_spec(spec)
+            tmpl = _unpack_spec(spec, bins)
             if not isinstance(tmpl, _bh().Histogram):
                 raise CodecError("histogram delta spec does not describe a histogram")
             if len(self._templates) > 4096:  # growing axes make new specs: stay bounded
@@ -242,8 +253,9 @@ class DeltaMerger:
             name, kind = str(item[0]), item[1]
             if kind == "h":
                 spec = bytes(item[2])
-                tmpl, dtype, shape = self._template(spec)
                 index = int(item[3])
+                # (+4 kB: an axis array of zeros, e.g. the category 0, is sent so too)
+                tmpl, dtype, shape = self._template(spec, len(frames[index]) + 4096)
                 arr = np.frombuffer(frames[index], dtype=dtype).reshape(shape)
                 out.append((name, kind, (tmpl, spec, arr)))
                 if plan is not None:
@@ -251,7 +263,8 @@ class DeltaMerger:
                 continue
             plan = None  # other kinds carry values in the head: no reusable plan
             if kind == "x":
-                out.append((name, kind, _unpack_spec(bytes(item[2]))))
+                sent = sum(len(f) for f in frames)
+                out.append((name, kind, _unpack_spec(bytes(item[2]), sent + X_ZERO_ALLOWANCE)))
             elif kind == "nd":
                 arr = np.frombuffer(frames[int(item[4])], dtype=np.dtype(item[2]))
                 out.append((name, kind, arr.reshape(item[3]).copy()))

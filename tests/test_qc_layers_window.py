@@ -179,7 +179,8 @@ def check_windows(pubs: list[PublishedObject], k: int) -> set[int]:
     """Check that the window of every cycle is the integral minus that of k cycles
     before, bin by bin; returns the cycles (sequence numbers) checked. A cycle published
     twice (the top merger killed after a publication and before its checkpoint
-    publishes it again) is not compared."""
+    publishes it again) is not compared, nor one whose cycle k before lacks an object
+    (the lower mergers' first objects arrive one by one)."""
     by_cycle: dict[int, dict[str, PublishedObject]] = {}
     twice: set[int] = set()
     for pub in pubs:
@@ -192,7 +193,10 @@ def check_windows(pubs: list[PublishedObject], k: int) -> set[int]:
         before = by_cycle.get(seq - k)
         if before is None or "h1/window" not in objs or {seq, seq - k} & twice:
             continue
-        for name in ("h1", "h2", "h3", "hn"):
+        names = ("h1", "h2", "h3", "hn")
+        if not all(name in before and name in objs for name in names):
+            continue  # a first cycle of the top: a lower merger's objects not all there yet
+        for name in names:
             window = objs[f"{name}/window"]
             assert window.metadata["view"] == "window" and window.metadata["cycles"] == k
             want = objs[name].obj.view(flow=True).view(np.ndarray).copy()

@@ -193,6 +193,15 @@ class StartupWalk:
             self.spawns[name] = (self.bus.send("spawn", agent_id(name), args), args)
         self.spawn_sent_s = time.monotonic()
 
+    def _take_pids(self, data: Any) -> None:
+        # the reply names every forked pid: a device may report RUNNING before its
+        # agent's next heartbeat, and `evflow status` right after `up --detach` shows it
+        pids = data.get("pids") if isinstance(data, dict) else None
+        for dev_id, pid in (pids if isinstance(pids, dict) else {}).items():
+            rec = self.c.records.get(dev_id)
+            if rec is not None and isinstance(pid, int) and rec.pid is None:
+                rec.pid = pid
+
     def _check_spawns(self) -> None:
         if not self.spawns:
             return
@@ -204,6 +213,7 @@ class StartupWalk:
             del self.spawns[name]
             if not reply.get("ok"):
                 raise ConfigurationError(f"host {name!r}: spawn failed: {reply.get('error')}")
+            self._take_pids(reply.get("data"))
         if not self.spawns:
             self.c._lap("devices spawned")
         elif time.monotonic() - self.spawn_sent_s > SPAWN_RESEND_S:

@@ -131,6 +131,8 @@ class ZygoteServer:
         if kind == "spawn":
             _, func, args, name = request
             return ("ok", self._fork_function(func, args, name))
+        if kind == "spawn-many":
+            return ("ok", self._fork_many(request[1]))
         if kind == "exec":
             _, argv, env, cwd, name = request
             return self._fork_exec(argv, env, cwd, name)
@@ -158,7 +160,30 @@ class ZygoteServer:
         self.notice.close()
         set_process_name(name)
 
-    def _fork_function(self, func: Callable[..., Any], args: tuple[Any, ...], name: str) -> int:
+    def _fork_many(self, items: list[tuple[Callable[..., Any], tuple[Any, ...], str]]
+                   ) -> list[int | str]:  # fmt: skip
+        """Fork every item; each child waits at a gate until the last one is forked, so
+        that the forks are not slowed down by the first children's own start-up."""
+        gate_r, gate_w = os.pipe()
+        out: list[int | str] = []
+        try:
+            for func, args, name in items:
+                try:
+                    out.append(self._fork_function(func, args, name, gate=(gate_r, gate_w)))
+                except OSError as exc:  # fork failed (EAGAIN, ENOMEM): that item only
+                    out.append(f"fork failed: {exc}")
+        finally:
+            os.close(gate_w)  # the children's reads see EOF: they all go
+            os.close(gate_r)
+        return out
+
+    def _fork_function(
+        self,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        name: str,
+        gate: tuple[int, int] | None = None,
+    ) -> int:
         pid = os.fork()
         if pid:
             self.live.add(pid)
@@ -166,6 +191,11 @@ class ZygoteServer:
         code = 1
         try:
             self._child_setup(name)
+            if gate is not None:
+                os.close(gate[1])
+                with contextlib.suppress(OSError):
+                    os.read(gate[0], 1)  # EOF once the batch is forked (or we die)
+                os.close(gate[0])
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor drives shutdown
             result = func(*args)
             code = 0 if result is None else int(result)

@@ -37,6 +37,8 @@ BUS_IN = "bus-in.ipc"
 BUS_OUT = "bus-out.ipc"
 #: the proxy's node id on the bus
 PROXY_ID = "bus"
+#: the longest an idle node with a ``wake_fd`` sleeps between commands (ms)
+IDLE_WAIT_MS = 1000
 #: commands every node answers
 COMMANDS = ("check-state", "get-metrics", "transition", "ping")
 
@@ -98,15 +100,22 @@ def find_bus_sessions() -> list[str]:
 
 
 def open_bus_sockets(
-    context: zmq.Context[Any], endpoints: BusEndpoints, label: str, topics: tuple[MsgType, ...]
+    context: zmq.Context[Any],
+    endpoints: BusEndpoints,
+    label: str,
+    topics: tuple[MsgType, ...],
+    pub_type: str = "pub",
 ) -> tuple[Channel, Channel]:
+    """The publishing and the subscribing socket of a bus node. ``pub_type`` "xpub":
+    the publisher also hears the proxy's subscriptions (see ``BusClient.wait_heard``)."""
     pub = open_channel(
         context,
         ChannelConfig(
-            name=f"{label}-pub", type="pub", method="connect", address=endpoints.publish, linger=200
+            name=f"{label}-pub", type=pub_type, method="connect", address=endpoints.publish,
+            linger=200,
         ),
         "bus",
-    )
+    )  # fmt: skip
     try:
         sub = open_channel(
             context,
@@ -149,6 +158,7 @@ class BusClient:
         on_transition: Callable[[str], Any] | None = None,
         metrics_interval_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        confirm: bool = False,
     ) -> None:
         if isinstance(endpoints, str):
             endpoints = BusEndpoints.parse(endpoints)
@@ -160,13 +170,22 @@ class BusClient:
         self.metrics_interval_s = metrics_interval_s
         self._clock = clock
         self._next_metrics_s = 0.0
-        self._pub, self._sub = open_bus_sockets(context, endpoints, "bus", (MsgType.COMMAND,))
+        # confirm: an XPUB, which hears the proxy's subscriptions (wait_heard)
+        pub_type = "xpub" if confirm else "pub"
+        self._pub, self._sub = open_bus_sockets(
+            context, endpoints, "bus", (MsgType.COMMAND,), pub_type
+        )
         self.bad = BadMessageCounter(f"bus client {node_id}")
         self._handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {}
         # replies by request id: a re-sent command is answered again, never re-executed
         self._answered: collections.OrderedDict[str, list[Any]] = collections.OrderedDict()
         self.commands_handled = 0
         self.closed = False
+        self._heard_now: set[bytes] = set()  # subscriptions the XPUB heard (confirm)
+        #: readable when a signal arrived (``signal.set_wakeup_fd``): wait_command()
+        #: then wakes on signals too and can wait long between commands
+        self.wake_fd: int | None = None
+        self._poller: zmq.Poller | None = None
 
     def __repr__(self) -> str:
         return f"<BusClient {self.node_id!r} handled={self.commands_handled} bad={self.bad.total}>"
@@ -175,6 +194,50 @@ class BusClient:
     def socket(self) -> zmq.Socket[Any]:
         """The SUB socket; readable when a command may be pending (for a zmq.Poller)."""
         return self._sub.socket
+
+    def wait_command(self, timeout_ms: int) -> bool:
+        """Wait for a command (True) or ``timeout_ms``. With ``wake_fd`` a signal wakes
+        us too, so an idle node waits up to IDLE_WAIT_MS (or its next metrics) instead:
+        hundreds of devices waiting for their next transition stay asleep."""
+        if self.wake_fd is None:
+            return bool(self._sub.socket.poll(timeout_ms))
+        if self._poller is None:
+            self._poller = zmq.Poller()
+            self._poller.register(self._sub.socket, zmq.POLLIN)
+            self._poller.register(self.wake_fd, zmq.POLLIN)
+        until_metrics_ms = (self._next_metrics_s - self._clock()) * 1000
+        wait_ms = int(max(timeout_ms, min(IDLE_WAIT_MS, until_metrics_ms)))
+        ready = dict(self._poller.poll(wait_ms))
+        if self.wake_fd in ready:
+            with contextlib.suppress(OSError):
+                os.read(self.wake_fd, 512)
+        return self._sub.socket in ready
+
+    def wait_heard(self, topics: tuple[MsgType, ...], timeout_s: float) -> bool:
+        """Wait until what we publish on ``topics`` reaches the proxy (BusClient made
+        with ``confirm=True``); False after ``timeout_s`` (call again to wait on). A
+        publisher drops what it sends before the proxy's subscriptions arrive over the
+        new connection: a node that speaks first (its state right after its start)
+        waits for them here."""
+        if self._pub.socket.socket_type != zmq.XPUB:
+            return True
+        wanted = {b"\x01" + _TYPE[t] for t in topics}
+        deadline = self._clock() + timeout_s
+        # (b"\x01" alone: a subscription to every topic)
+        while not (wanted <= self._heard_now or b"\x01" in self._heard_now):
+            left_s = deadline - self._clock()
+            if left_s <= 0 or not self._pub.socket.poll(max(1, int(left_s * 1000))):
+                return False
+            frames = self._pub.socket.recv_multipart(zmq.NOBLOCK)
+            if frames:
+                self._heard_now.add(bytes(frames[0]))
+        return True
+
+    def mark_answered(self, req: str, cmd: str, data: dict[str, Any], to: str) -> None:
+        """Take request ``req`` as done (``data`` its answer): the node did on its own
+        what the request asks, and a later send of it is answered, not executed."""
+        reply = {"req": req, "cmd": cmd, "from": self.node_id, "to": to, "ok": True, "data": data}
+        self._answered[req] = encode_message(MsgType.REPLY, reply)
 
     def handle(self, command: str, handler: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
         """Answer ``command`` with ``handler(args) -> data`` (raise EvflowError to refuse)."""

@@ -278,7 +278,8 @@ class Device:
                 return self._requests.get(timeout=POLL_INTERVAL_MS / 1000)
             except queue.Empty:
                 return None
-        if sock.poll(POLL_INTERVAL_MS):
+        wait = getattr(self._bus, "wait_command", None)
+        if wait(POLL_INTERVAL_MS) if wait is not None else sock.poll(POLL_INTERVAL_MS):
             try:
                 self._bus.poll(self)
             except Exception:

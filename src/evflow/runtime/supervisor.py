@@ -153,6 +153,34 @@ class Supervisor(StoppingMixin):
             self._launch(proc)
         return proc
 
+    def add_many(self, specs: Sequence[ProcessSpec]) -> list[ManagedProcess]:
+        """Register ``specs`` (functions only); when running, the zygote forks them in
+        one request (:meth:`Zygote.spawn_many`). A failed fork fails its process only."""
+        seen = set(self.processes)
+        for spec in specs:
+            if spec.target is None:
+                raise ConfigurationError(f"add_many: process {spec.name!r} has no target")
+            if spec.name in seen:
+                raise ConfigurationError(f"a process named {spec.name!r} is already supervised")
+            seen.add(spec.name)
+        procs = []
+        for spec in specs:
+            proc = ManagedProcess(spec, order=len(self.processes))
+            self.processes[spec.name] = proc
+            procs.append(proc)
+        if not self._started or self._stopping:
+            return procs
+        for proc in procs:
+            if proc.spec.before_launch is not None:
+                proc.spec.before_launch(proc)
+        items = [(p.spec.target, p.args, p.label) for p in procs if p.spec.target is not None]
+        for proc, pid in zip(procs, self.zygote.spawn_many(items), strict=True):
+            if isinstance(pid, int):
+                self._launched(proc, pid)
+            else:
+                self._fail(proc, -1, 1, f"{proc.name}: cannot start: {pid}")
+        return procs
+
     def add_function(
         self, name: str, target: Callable[..., int | None], *args: Any, **policy: Any
     ) -> ManagedProcess:
@@ -172,6 +200,10 @@ class Supervisor(StoppingMixin):
         else:
             assert spec.argv is not None
             pid = self.zygote.spawn_exec(spec.argv, env=spec.env, cwd=spec.cwd, name=spec.name)
+        self._launched(proc, pid)
+
+    def _launched(self, proc: ManagedProcess, pid: int) -> None:
+        spec = proc.spec
         proc.pid, proc.state, proc.returncode = pid, "running", None
         proc.restart_at_s = None
         proc.started_at_s = self.clock()

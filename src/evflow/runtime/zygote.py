@@ -175,6 +175,28 @@ class Zygote:
         label = name or getattr(func, "__name__", "child")
         return self._request(("spawn", func, args, label), label)
 
+    def spawn_many(
+        self, items: Sequence[tuple[Callable[..., int | None], tuple[Any, ...], str]]
+    ) -> list[int | str]:
+        """Like :meth:`spawn` for each ``(func, args, name)``, in one request: the
+        zygote forks them all, then lets them run together. Returns, per item, the pid
+        or the error string of a failed fork (the other items are not affected)."""
+        if not items:
+            return []
+        request = ("spawn-many", [(f, tuple(a), n or f.__name__) for f, a, n in items])
+        try:
+            pickle.dumps(request)
+        except Exception as exc:
+            raise ConfigurationError(
+                f"cannot send {len(items)} function(s) to the zygote: {exc} "
+                "(use module-level functions and picklable arguments)"
+            ) from exc
+        results = self._request(request, f"{len(items)} process(es)", many=True)
+        for (_f, _a, name), value in zip(request[1], results, strict=True):
+            if isinstance(value, int):
+                self._live[value] = name
+        return results
+
     def spawn_exec(
         self,
         argv: Sequence[str],
@@ -209,7 +231,7 @@ class Zygote:
                 raise PeerLostError(f"zygote pid {self.pid} is gone: {exc}") from exc
         return bool(value) if status == "ok" else False
 
-    def _request(self, command: tuple[Any, ...], label: str) -> int:
+    def _request(self, command: tuple[Any, ...], label: str, many: bool = False) -> Any:
         if self._cmd is None:
             raise ConfigurationError("Zygote not started: call start() first")
         if self._lost:
@@ -227,6 +249,8 @@ class Zygote:
                 ) from exc
         if status != "ok":
             raise ConfigurationError(f"cannot start {label!r}: {value}")
+        if many:
+            return list(value)
         self._live[int(value)] = label
         return int(value)
 

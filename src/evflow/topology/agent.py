@@ -46,6 +46,9 @@ from evflow.wire.messages import MsgType
 
 log = logging.getLogger("evflow.agent")
 
+#: devices forked per zygote request (the agent's heartbeat goes out between batches)
+SPAWN_BATCH = 64
+
 #: imported before the zygote forks, so that every device starts with them loaded
 PRELOAD = (
     "evflow.runtime.device",
@@ -113,6 +116,7 @@ class Agent:
 
     # --- commands ------------------------------------------------------------------
     def _spawn(self, args: dict[str, Any]) -> dict[str, Any]:
+        from evflow.runtime.processes import ProcessSpec
         from evflow.topology.node import run_node
 
         launches = args.get("devices")
@@ -120,28 +124,38 @@ class Agent:
             raise ConfigurationError("spawn needs a list of devices")
         timeout_s = float(args.get("connect_timeout_s", 20.0))
         stats_dir = str(args.get("stats_dir") or "")
+        steps = args.get("first_steps") or []
+        first = tuple(str(t) for t in steps) if isinstance(steps, list) else ()
         pids = {}
         started = time.monotonic()
+        specs = []
         for launch in launches:
             dev_id = str(launch["id"])
             if dev_id in self.sup.processes:
                 pids[dev_id] = self.sup.processes[dev_id].pid
                 continue  # a re-sent spawn: answered, not repeated
-            proc = self.sup.add_function(
+            specs.append(ProcessSpec(
                 dev_id,
-                run_node,
-                launch,
-                self.bus,
-                self.local_session,
-                timeout_s,
-                stats_dir,
+                target=run_node,
+                args=(launch, self.bus, self.local_session, timeout_s, stats_dir, first),
+                before_launch=_restart_walked,
                 restart=str(launch.get("restart", "never")),
                 max_restarts=int(launch.get("max_restarts", 3)),
                 stop_order=int(launch.get("stop_order", 0)),
                 grace_s=self.grace_s,
-            )
-            pids[dev_id] = proc.pid
-            self.devices[dev_id] = {"pid": proc.pid, "state": "running", "restarts": 0}
+            ))  # fmt: skip
+        # one zygote request per batch (a fork each, no round trip per device); batches
+        # small enough that the heartbeat goes out between them
+        for i in range(0, len(specs), SPAWN_BATCH):
+            for proc in self.sup.add_many(specs[i : i + SPAWN_BATCH]):
+                if proc.pid is None:  # its fork failed: reported as a failed device
+                    failure = next((e.message for e in reversed(self.sup.failed)
+                                    if e.name == proc.name), "not started")  # fmt: skip
+                    self.devices[proc.name] = {"pid": None, "state": "failed", "restarts": 0,
+                                               "returncode": 1, "message": failure}  # fmt: skip
+                    continue
+                pids[proc.name] = proc.pid
+                self.devices[proc.name] = {"pid": proc.pid, "state": "running", "restarts": 0}
             self._maybe_beat()  # hundreds of forks must not look like a lost host
         log.debug("agent %s: %d device(s) forked in %.3f s", self.host, len(pids),
                   time.monotonic() - started)  # fmt: skip
@@ -269,6 +283,13 @@ class Agent:
                     silent_s,
                 )
                 return
+
+
+def _restart_walked(proc: Any) -> None:
+    """A restarted device waits for the controller's walk (which first gives it the
+    endpoints it had, so that it binds them again): no first steps of its own."""
+    if proc.pids:
+        proc.args = (*proc.args[:5], ())
 
 
 def _lap(what: str) -> None:

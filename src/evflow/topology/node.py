@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import signal
@@ -29,10 +30,10 @@ from typing import Any
 
 import zmq
 
-from evflow.errors import PeerLostError
+from evflow.errors import EvflowError, PeerLostError
 from evflow.runtime.busclient import BusClient
-from evflow.runtime.states import State
-from evflow.topology.protocol import CONTROLLER_ID
+from evflow.runtime.states import STARTUP_SEQUENCE, State
+from evflow.topology.protocol import CONTROLLER_ID, walk_request
 from evflow.topology.resolve import ResolvedChannel, ResolvedDevice
 from evflow.transport.channel_config import ChannelConfig
 from evflow.wire.messages import MsgType
@@ -40,6 +41,8 @@ from evflow.wire.messages import MsgType
 log = logging.getLogger("evflow.topology")
 
 _ASK_EVERY_S = 0.5
+#: a device taking its first steps by itself waits at most this long to be heard
+HEARD_TIMEOUT_S = 2.0
 
 
 class Exchange:
@@ -161,6 +164,9 @@ class Exchange:
             return {"node_id": self.launch.id, "known": len(self.properties)}
 
         def transition(args: dict[str, Any]) -> dict[str, Any]:
+            names = args.get("transitions")
+            if isinstance(names, list):  # the start-up walk: a sequence, taken in order
+                return take_sequence(device, self.launch.id, names)
             name = str(args.get("transition", ""))
             if name.upper() == "STOP":
                 self.stop_requested = True
@@ -180,11 +186,45 @@ class Exchange:
         client.handle("peer-lost", peer_lost)
 
         def on_change(old: State, new: State, _: Any) -> None:
+            if new is State.RUNNING and self.client._next_metrics_s == math.inf:
+                self.client._next_metrics_s = time.monotonic() + random.random()
             # the loop ended by itself (not on a STOP from the bus): walk on down
             if old is State.RUNNING and new is State.READY and not self.stop_requested:
                 device.request_shutdown()
 
         device.fsm.subscribe(on_change)
+
+
+def take_sequence(device: Any, node_id: str, names: list[Any]) -> dict[str, Any]:
+    """Queue a start-up sequence (e.g. INIT_DEVICE, COMPLETE_INIT, BIND) for the device's
+    loop, after checking that each one is allowed from the state the one before leads
+    to (an -ING state's AUTO move included); nothing is queued if one is not."""
+    from evflow.errors import StateTransitionError
+    from evflow.runtime.states import AUTO_STATES, Transition, next_state, parse_transition
+
+    if not names or len(names) > len(STARTUP_SEQUENCE):
+        raise StateTransitionError(f"{node_id}: a sequence of 1 to 6 transitions expected")
+    state: State | None = device.fsm.state
+    before = str(state)
+    plan = []
+    for name in names:
+        transition = parse_transition(str(name))
+        if transition not in STARTUP_SEQUENCE:
+            raise StateTransitionError(f"{node_id}: {transition} is not a start-up transition")
+        state = next_state(state, transition) if state is not None else None
+        while state in AUTO_STATES:
+            state = next_state(state, Transition.AUTO)
+        if state is None:
+            raise StateTransitionError(f"{node_id}: no transition from {before} on {names}")
+        plan.append(transition)
+    for transition in plan:
+        device.request(transition)
+    return {
+        "node_id": node_id,
+        "transition": ",".join(str(t) for t in plan),
+        "previous_state": before,
+        "accepted": True,
+    }
 
 
 def run_node(
@@ -193,8 +233,12 @@ def run_node(
     session: str,
     connect_timeout_s: float,
     stats_dir: str,
+    first_steps: tuple[str, ...] = (),
 ) -> int:
-    """Process entry point (forked by the agent's zygote): run one device to EXITING."""
+    """Process entry point (forked by the agent's zygote): run one device to EXITING.
+
+    ``first_steps``: transitions the device takes at once (the start-up walk's first
+    step, sent with the spawn), as soon as what it publishes reaches the bus."""
     from evflow.runtime.runner import load_device_class
 
     launch = ResolvedDevice.from_wire(launch_data)
@@ -208,12 +252,17 @@ def run_node(
             state["device"].request_shutdown()
 
     signal.signal(signal.SIGTERM, on_term)
+    # a SIGTERM wakes the device's wait for its next command (so that wait can be long)
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
     cls = load_device_class(launch.cls)
     context: zmq.Context[Any] = zmq.Context()
-    client = BusClient(context, launch.id, bus)
-    # hundreds of devices start together: spread their once-a-second metrics over the
-    # second instead of every one taking a psutil snapshot at the same moment
-    client._next_metrics_s = time.monotonic() + random.random()
+    client = BusClient(context, launch.id, bus, confirm=bool(first_steps))
+    client.wake_fd = wake_r
+    # no metrics before RUNNING (the states tell the controller all it needs during the
+    # start-up walk); then hundreds of devices spread their once-a-second metrics over
+    # the second instead of every one taking a psutil snapshot at the same moment
+    client._next_metrics_s = math.inf
     device = None
     code = 1
     try:
@@ -233,13 +282,33 @@ def run_node(
         state["device"] = device
         if state["signals"]:
             device.request_shutdown()
+        if first_steps:
+            _wait_heard(client, device)
         client.publish_state(device)
+        if first_steps and not device.shutdown_requested:
+            try:
+                data = take_sequence(device, launch.id, list(first_steps))
+            except EvflowError as exc:  # a bad spawn request: the controller walks us
+                log.error("device %s: first steps %s refused: %s", launch.id, first_steps, exc)
+            else:  # the controller's send of this step (a fallback) is not taken twice
+                req = walk_request(first_steps[0])
+                client.mark_answered(req, "transition", data, CONTROLLER_ID)
         code = device.run("interactive")
     finally:
         _report(client, launch, device, stats_dir)
         client.close()
         context.destroy(linger=200)  # the last report gets 200 ms to leave
     return code
+
+
+def _wait_heard(client: BusClient, device: Any) -> None:
+    """Until the controller hears our states (what a publisher sends before the bus
+    proxy's subscriptions arrive is dropped), a shutdown, or HEARD_TIMEOUT_S (then the
+    controller's own fallbacks find us: it asks silent devices for their state)."""
+    deadline = time.monotonic() + HEARD_TIMEOUT_S
+    while not device.shutdown_requested and time.monotonic() < deadline:
+        if client.wait_heard((MsgType.STATE, MsgType.REPLY), 0.05):
+            return
 
 
 def _report(client: BusClient, launch: ResolvedDevice, device: Any, stats_dir: str) -> None:

@@ -65,3 +65,9 @@ def agent_id(host: str) -> str:
 def host_session(session: str, host: str) -> str:
     """The session (ipc directory, shm prefix) of ``host``'s agent and its devices."""
     return f"{session}-{host}"
+
+
+def walk_request(first_transition: str) -> str:
+    """The request id of the start-up walk's step that begins with ``first_transition``
+    (every send of a step has it: a device takes a step once)."""
+    return f"walk-{first_transition}"

@@ -1,11 +1,13 @@
 """The start-up walk: spawn every device and take them through FairMQ's sequence.
 
-One step at a time for all devices, each step one broadcast (the ids of the devices
-in ``to``): every command on the bus wakes every device (each decodes it to see
-whether it is addressed), so the walk sends as few as it can, and a step waits until
-every device has finished the one before. INIT_DEVICE goes out once every agent
-has answered its spawn. CONNECT goes out once the endpoints of every binder are
-known; they are pushed first (``set-properties``) on the same ordered pipe.
+Three steps (``GROUPS``), each one broadcast (the ids of the devices in ``to``) of a
+``transition`` command naming the transitions a device takes one after the other:
+every command on the bus wakes every device (each decodes it to see whether it is
+addressed), so the walk sends as few as it can. INIT_DEVICE, COMPLETE_INIT, BIND go
+to a host's devices as soon as its agent answered their spawn (the other hosts may
+still be forking); CONNECT, INIT_TASK once every device is BOUND and the endpoints of
+every binder are known (pushed first, ``set-properties``, on the same ordered pipe);
+RUN once every device is READY.
 
 Every send of a step uses the same request id (``walk-<step>``): a device that already
 took the step ignores a re-send (the bus client answers a request id once), so the
@@ -23,10 +25,10 @@ import time
 from typing import Any
 
 from evflow.errors import ConfigurationError, TimeoutError_
-from evflow.topology.protocol import agent_id
+from evflow.topology.protocol import agent_id, walk_request
 from evflow.topology.records import RANK, DeviceRecord
 
-__all__ = ["STAGES", "StartupWalk"]
+__all__ = ["GROUPS", "STAGES", "StartupWalk"]
 
 log = logging.getLogger("evflow.topology")
 
@@ -39,6 +41,16 @@ STAGES = (
     ("INIT_TASK", "READY", "INITIALIZING_TASK"),
     ("RUN", "RUNNING", "RUNNING"),
 )
+#: the start-up walk's steps: transitions a device takes one after the other, the
+#: state all devices must reach before the next group goes out, and the first state
+#: after the group's first transition. Only the peers' endpoints (CONNECT needs every
+#: binder BOUND) and the start of the data (RUN once every device is READY) need all
+#: devices to wait for each other: a group is one command and one wait for all.
+GROUPS = (
+    (("INIT_DEVICE", "COMPLETE_INIT", "BIND"), "BOUND", "INITIALIZING_DEVICE"),
+    (("CONNECT", "INIT_TASK"), "READY", "CONNECTING"),
+    (("RUN",), "RUNNING", "RUNNING"),
+)
 TICK_S = 0.02
 #: a device that has not moved this long after a step was sent gets it again
 RESEND_S = 0.3
@@ -48,6 +60,9 @@ RESEND_S = 0.3
 RESEND_FIRST_S = 0.2
 #: a device whose state did not change this long is asked for it
 ASK_S = 0.4
+#: a device that has not taken the first step by itself this long after its host's
+#: spawn was answered is sent it (it may have missed being heard, or be a slow start)
+FIRST_STEPS_S = 1.0
 #: spawn requests not answered are sent again (same request: never spawned twice)
 SPAWN_RESEND_S = 2.0
 
@@ -64,6 +79,7 @@ class StartupWalk:
         self.asked_s = 0.0
         self.spawns: dict[str, tuple[str, dict[str, Any]]] = {}
         self.spawn_sent_s = 0.0
+        self.answered_s: dict[str, float] = {}  # host -> when its spawn was answered
         self.reached: set[str] = set()
         self.resent: set[tuple[str, str]] = set()
         self.broadcasts = 0
@@ -104,37 +120,39 @@ class StartupWalk:
 
     def _step(self, live: list[DeviceRecord], now: float) -> None:
         lowest = min((r.rank for r in live), default=RANK["RUNNING"])
-        step = next((i for i, s in enumerate(STAGES) if lowest < RANK[s[1]]), None)
-        if step is None or self.spawns:
+        group = next((i for i, g in enumerate(GROUPS) if lowest < RANK[g[1]]), None)
+        if group is None or (group > 0 and self.spawns):
             self._ask(live, now)
             return
-        transition, _target, moved = STAGES[step]
-        if step > 0 and lowest < RANK[STAGES[step - 1][1]]:
-            self._ask(live, now)  # some device is still taking the step before
-            return
-        if transition == "CONNECT" and not all(self._peers_published(r) for r in live):
+        transitions, _target, moved = GROUPS[group]
+        if group == 1 and not all(self._peers_published(r) for r in live):
             self._ask(live, now)
             return
         ids = []
         for rec in live:
             if rec.rank >= RANK[moved]:
                 continue  # taking the step, or past it
-            last = self.sent.get((rec.id, transition))
-            if last is not None and now - last < (RESEND_FIRST_S if step == 0 else RESEND_S):
+            if group == 0:  # the devices take it by themselves (the spawn's first_steps)
+                answered = self.answered_s.get(rec.host)
+                if answered is None or now - answered < FIRST_STEPS_S:
+                    continue  # not forked yet, or maybe not heard yet
+            last = self.sent.get((rec.id, transitions[0]))
+            if last is not None and now - last < (RESEND_FIRST_S if group == 0 else RESEND_S):
                 continue
-            self.sent[(rec.id, transition)] = now
+            self.sent[(rec.id, transitions[0])] = now
             ids.append(rec.id)
         if ids:
-            if transition == "CONNECT":  # the endpoints first, on the same ordered pipe
+            if group == 1:  # the endpoints first, on the same ordered pipe
                 self.bus.tell("set-properties", ids, {"properties": self.bus.properties},
                               quiet=True)  # fmt: skip
-            req = f"walk-{transition}"
-            self.bus.send("transition", ids, {"transition": transition}, req=req, quiet=True)
+            req = walk_request(transitions[0])
+            args = {"transition": transitions[0], "transitions": list(transitions)}
+            self.bus.send("transition", ids, args, req=req, quiet=True)
             self.bus.forget(req)
             self.broadcasts += 1
-            if any((r, transition) in self.resent for r in ids):
-                log.debug("start-up: %s sent again to %d device(s)", transition, len(ids))
-            self.resent.update((r, transition) for r in ids)
+            if any((r, transitions[0]) in self.resent for r in ids):
+                log.debug("start-up: %s sent again to %d device(s)", transitions[0], len(ids))
+            self.resent.update((r, transitions[0]) for r in ids)
         self._ask(live, now)
 
     def _peers_published(self, rec: DeviceRecord) -> bool:
@@ -150,7 +168,7 @@ class StartupWalk:
         binders that are BOUND without their endpoints known (a lost notice). Devices
         waiting for the others are not asked: each answer is a message."""
         lowest = min((r.rank for r in live), default=RANK["RUNNING"])
-        goal = next((RANK[t] for _, t, _ in STAGES if lowest < RANK[t]), RANK["RUNNING"])
+        goal = next((RANK[t] for _, t, _ in GROUPS if lowest < RANK[t]), RANK["RUNNING"])
         stuck = []
         for rec in live:
             rank, since = self.seen.get(rec.id, (None, now))
@@ -189,6 +207,8 @@ class StartupWalk:
                 "devices": [d.to_wire() for d in self.c.topology.on_host(name)],
                 "connect_timeout_s": self.c.connect_timeout_s,
                 "stats_dir": self.c.stats_dir,
+                # the first step needs no other device: each takes it once it is heard
+                "first_steps": list(GROUPS[0][0]),
             }
             self.spawns[name] = (self.bus.send("spawn", agent_id(name), args), args)
         self.spawn_sent_s = time.monotonic()
@@ -211,6 +231,7 @@ class StartupWalk:
                 continue
             self.bus.forget(req)
             del self.spawns[name]
+            self.answered_s[name] = time.monotonic()
             if not reply.get("ok"):
                 raise ConfigurationError(f"host {name!r}: spawn failed: {reply.get('error')}")
             self._take_pids(reply.get("data"))

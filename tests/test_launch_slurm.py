@@ -4,6 +4,7 @@ SIGKILL and scancel leave nothing on it; a missing or busy node is one clear err
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from evflow.errors import ConfigurationError
@@ -144,6 +146,16 @@ def test_busy_node_is_one_error_not_a_hang(farm: NamespaceFarm, slurm: SlurmClus
     assert _no_jobs() == ""
 
 
+def _probes(farm: NamespaceFarm, host: str) -> int:
+    """Processes on ``host`` running the probe (the guard forks it: its command line
+    is the guard's, the probe's argv included)."""
+    count = 0
+    for pid in farm.pids(host):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            count += "_farm_probe" in " ".join(psutil.Process(pid).cmdline())
+    return count
+
+
 def test_sbatch_detached_run_and_scancel(farm: NamespaceFarm, slurm: SlurmCluster) -> None:
     launcher = SlurmLauncher(detached=True)
     job = launcher.start_command(farm.host_specs()["h2"], probe_argv(sys.executable,
@@ -151,7 +163,7 @@ def test_sbatch_detached_run_and_scancel(farm: NamespaceFarm, slurm: SlurmCluste
     assert isinstance(job, BatchJob)
     try:
         deadline = time.monotonic() + 15
-        while sum("_farm_probe" in p for p in farm.leftovers("h2", timeout_s=0)) < 3:
+        while _probes(farm, "h2") < 3:  # the probe and its 2 escaped descendants
             assert time.monotonic() < deadline, f"job {job.job_id} never ran ({job.state()})"
             time.sleep(0.1)
         assert job.poll() is None

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from evflow.errors import ConfigurationError, StateTransitionError
-from evflow.runtime.supervisor import ExitEvent, ProcessSpec, Supervisor
+from evflow.runtime.supervisor import ExitEvent, ManagedProcess, ProcessSpec, Supervisor
 from evflow.transport.paths import runtime_base_dir, session_dir
 
 HERE = os.path.dirname(__file__)
@@ -84,6 +84,34 @@ def test_restarts_a_killed_process_up_to_its_limit_then_reports_it_failed() -> N
         assert "'worker'" in message and "SIGKILL" in message
         assert "max_restarts=2" in message and "giving up" in message
         assert not sup.active
+
+
+def test_add_many_forks_a_batch_and_restarts_each_on_its_own() -> None:
+    """add_many starts every process in one zygote request; before_launch sees each
+    launch (a restart knows it is one); a restart is one fork of its own."""
+    launches: list[tuple[str, int]] = []
+
+    def hook(proc: ManagedProcess) -> None:
+        launches.append((proc.name, len(proc.pids)))
+
+    with Supervisor() as sup:
+        specs = [ProcessSpec(f"w{i}", target=_sleep, args=(30,), restart="on-failure",
+                             max_restarts=1, backoff_s=0.0, before_launch=hook)
+                 for i in range(3)]  # fmt: skip
+        procs = sup.add_many(specs)
+        assert all(p.alive for p in procs) and len({p.pid for p in procs}) == 3
+        assert launches == [("w0", 0), ("w1", 0), ("w2", 0)]
+        old = procs[1].pid
+        assert sup.kill("w1", signal.SIGKILL)
+        assert _poll_until(sup, 1)[0].pid == old
+        sup.poll(0)
+        assert procs[1].alive and procs[1].pid not in (old, procs[0].pid, procs[2].pid)
+        assert launches[3:] == [("w1", 1)]
+        with pytest.raises(ConfigurationError, match="'w0' is already supervised"):
+            sup.add_many([ProcessSpec("w0", target=_sleep, args=(1,))])
+        with pytest.raises(ConfigurationError, match="'x' is already supervised"):
+            sup.add_many([ProcessSpec(n, target=_sleep, args=(1,)) for n in ("x", "x")])
+        assert "x" not in sup.processes
 
 
 def test_backoff_doubles_and_follows_the_injected_clock() -> None:

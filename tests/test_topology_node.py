@@ -204,3 +204,65 @@ def test_commands_to_a_list_of_ids_a_regex_and_quiet_ones(bus: Any) -> None:
         for client in clients.values():
             client.close()
     assert done == {"a1": ["RUN", "STOP"], "a2": ["STOP", "END"], "b1": ["RUN"]}
+
+
+def _wait_for(controller: ControllerBus, done: Any, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done() and time.monotonic() < deadline:
+        controller.pump(0.05)
+    assert done()
+
+
+def test_first_steps_are_taken_once_heard_and_each_step_of_the_walk_once(bus: Any) -> None:
+    """A device spawned with first steps reaches BOUND by itself and the controller
+    hears every step (it waits until the bus hears it); the walk's own send of that step
+    is then not taken again, a sequence not allowed from its state is refused whole,
+    and the next step's sequence takes it to READY."""
+    from evflow.topology.protocol import walk_request
+
+    context, endpoints = bus
+    channels = [ResolvedChannel("data", "router", bind="tcp://127.0.0.1:0")]
+    spec = ResolvedDevice("sink", "sink", "sink", "localhost", 0, {}, channels)
+    records = {"sink": DeviceRecord(spec)}
+    controller = ControllerBus(context, BusEndpoints.parse(endpoints), records, {},
+                               lambda cmd, args: {})  # fmt: skip
+    first = ("INIT_DEVICE", "COMPLETE_INIT", "BIND")
+    code = (
+        "import json, sys; from evflow.topology.node import run_node; "
+        "sys.exit(run_node(json.loads(sys.argv[1]), sys.argv[2], 'firststeps', 5.0, '', "
+        f"{first!r}))"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(spec.to_wire()), endpoints])
+    rec = records["sink"]
+    seen: list[str] = []
+    original = rec.see_state
+
+    def see_state(state: str) -> None:
+        seen.append(state)
+        original(state)
+
+    rec.see_state = see_state  # type: ignore[method-assign]
+    try:
+        _wait_for(controller, lambda: rec.state == "BOUND" and "sink.data" in controller.properties)
+        # heard from the start: no state of the walk was lost
+        assert seen[:2] == ["IDLE", "INITIALIZING_DEVICE"] and "INITIALIZED" in seen
+        again = {"transitions": list(first)}
+        controller.send("transition", ["sink"], again, req=walk_request(first[0]))
+        _wait_for(controller, lambda: bool(controller.replies[walk_request(first[0])]))
+        reply = controller.replies[walk_request(first[0])]["sink"]
+        assert reply["ok"] and reply["data"]["previous_state"] == "IDLE"  # the first answer
+        bad = controller.send("transition", ["sink"], {"transitions": ["INIT_TASK", "RUN"]})
+        _wait_for(controller, lambda: bool(controller.replies[bad]))
+        assert not controller.replies[bad]["sink"]["ok"]
+        assert "no transition from BOUND" in controller.replies[bad]["sink"]["error"]
+        nxt = {"transitions": ["CONNECT", "INIT_TASK"]}
+        controller.send("transition", ["sink"], nxt, req=walk_request("CONNECT"), quiet=True)
+        _wait_for(controller, lambda: rec.state == "READY")
+        assert rec.state == "READY" and seen.count("BOUND") == 1
+        controller.send("transition", ["sink"], {"transition": "END"}, quiet=True)
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        controller.close()

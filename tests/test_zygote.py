@@ -111,6 +111,45 @@ def test_return_value_is_exit_code(zygote: Zygote) -> None:
     assert _wait_exits(zygote, len(pids)) == pids
 
 
+def _count_siblings(path: str, release: str) -> int:
+    """A child of a batch: writes how many children its zygote has when it begins,
+    then stays until ``release`` exists (so that none is reaped while others count)."""
+    ppid = os.getppid()
+    children = Path(f"/proc/{ppid}/task/{ppid}/children").read_text().split()
+    with open(path, "a") as fh:
+        fh.write(f"{len(children)}\n")
+    deadline = time.monotonic() + 20
+    while not os.path.exists(release) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return 0
+
+
+def test_spawn_many_forks_every_item_then_lets_them_run(zygote: Zygote, tmp_path: Path) -> None:
+    """Each item gets its own child (pid, name, exit code), in one request; no child
+    runs before the last one is forked (the first ones do not slow the forks down)."""
+    items = [(_return, (3,), "three"), (_system_exit, (4,), ""), (_return, (None,), "none")]
+    pids = zygote.spawn_many(items)
+    assert all(isinstance(p, int) for p in pids) and len(set(pids)) == 3
+    assert [zygote.children[p] for p in pids] == ["three", "_system_exit", "none"]
+    exits = _wait_exits(zygote, 3)
+    assert [exits[p] for p in pids] == [3, 4, 0]
+
+    counts, release = tmp_path / "counts", tmp_path / "release"
+    batch = [(_count_siblings, (str(counts), str(release)), f"c{i}") for i in range(30)]
+    pids = zygote.spawn_many(batch)
+    deadline = time.monotonic() + 20
+    while len(counts.read_text().split() if counts.exists() else []) < 30:
+        assert time.monotonic() < deadline, "the batch's children did not all run"
+        time.sleep(0.01)
+    release.touch()
+    assert [int(n) for n in counts.read_text().split()] == [30] * 30  # each saw all
+    assert sorted(_wait_exits(zygote, 30).values()) == [0] * 30
+
+    assert zygote.spawn_many([]) == []
+    with pytest.raises(ConfigurationError, match="cannot send"):
+        zygote.spawn_many([(lambda: 0, (), "lambda")])  # type: ignore[list-item]
+
+
 def test_exception_exits_1_and_prints_traceback(capfd: pytest.CaptureFixture[str]) -> None:
     # started inside the test, where capfd is active, so the zygote inherits its stderr
     with Zygote() as zygote:

@@ -3,11 +3,12 @@
 Three steps (``GROUPS``), each one broadcast (the ids of the devices in ``to``) of a
 ``transition`` command naming the transitions a device takes one after the other:
 every command on the bus wakes every device (each decodes it to see whether it is
-addressed), so the walk sends as few as it can. INIT_DEVICE, COMPLETE_INIT, BIND go
-to a host's devices as soon as its agent answered their spawn (the other hosts may
-still be forking); CONNECT, INIT_TASK once every device is BOUND and the endpoints of
-every binder are known (pushed first, ``set-properties``, on the same ordered pipe);
-RUN once every device is READY.
+addressed), so the walk sends as few as it can. INIT_DEVICE, COMPLETE_INIT, BIND need
+no other device: the spawn carries them (``first_steps``) and each device takes them
+as soon as the bus hears it; the controller sends them only to a device that has not
+moved FIRST_STEPS_S after its host's spawn was answered. CONNECT, INIT_TASK go out
+once every device is BOUND and the endpoints of every binder are known (pushed
+first, ``set-properties``, on the same ordered pipe); RUN once every device is READY.
 
 Every send of a step uses the same request id (``walk-<step>``): a device that already
 took the step ignores a re-send (the bus client answers a request id once), so the

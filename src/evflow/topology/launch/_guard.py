@@ -20,6 +20,11 @@ which tells the launcher that the host was reached and the command started. Exit
 the command's (128 + signal number when a signal ended it).
 
 ``--detached`` (sbatch) ignores stdin: the run ends with the command or a signal.
+
+A command ``<this interpreter> -m MODULE ...`` (the agent) is not exec'd: the guard
+forks and runs MODULE in the child (``runpy``), which saves starting a second
+interpreter on every host. The child is set up as an exec'd one would be: its own
+session, PDEATHSIG, default signal handlers, stdin a pipe from the guard.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import subprocess
 import sys
 import time
 from types import FrameType
+from typing import IO
 
 import psutil
 
@@ -47,11 +53,68 @@ def _child_setup() -> None:
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
+class _Forked:
+    """What the guard needs of a ``Popen`` for a command it forked itself."""
+
+    def __init__(self, pid: int, stdin: IO[bytes] | None) -> None:
+        self.pid = pid
+        self.stdin = stdin
+        self.returncode: int | None = None
+
+
+def _same_interpreter(path: str) -> bool:
+    try:
+        return os.path.samefile(path, sys.executable)
+    except OSError:
+        return False
+
+
+def _fork_module(argv: list[str], detached: bool) -> _Forked:
+    """Run ``argv`` (``<python> -m MODULE ARGS``) in a fork of this interpreter."""
+    import runpy
+    import traceback
+
+    read_fd, write_fd = (-1, -1) if detached else os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        if detached:
+            return _Forked(pid, None)
+        os.close(read_fd)
+        return _Forked(pid, os.fdopen(write_fd, "wb"))
+    code = 1
+    try:
+        os.setsid()
+        _child_setup()
+        for sig in (signal.SIGTERM, signal.SIGHUP):  # as in a fresh interpreter
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if detached:
+            read_fd = os.open(os.devnull, os.O_RDONLY)
+        else:
+            os.close(write_fd)
+        os.dup2(read_fd, 0)
+        os.close(read_fd)
+        sys.argv = [argv[0], *argv[3:]]
+        runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code & 0xFF)
+
+
 class Guard:
     def __init__(self, argv: list[str], detached: bool) -> None:
         self.argv = argv
         self.detached = detached
-        self.child: subprocess.Popen[bytes] | None = None
+        self.child: subprocess.Popen[bytes] | _Forked | None = None
         self.returncode: int | None = None
         self.stop_grace_s: float | None = None
 
@@ -64,12 +127,15 @@ class Guard:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
         try:
-            self.child = subprocess.Popen(
-                self.argv,
-                stdin=subprocess.DEVNULL if self.detached else subprocess.PIPE,
-                start_new_session=True,
-                preexec_fn=_child_setup,
-            )
+            if len(self.argv) > 2 and self.argv[1] == "-m" and _same_interpreter(self.argv[0]):
+                self.child = _fork_module(self.argv, self.detached)
+            else:
+                self.child = subprocess.Popen(
+                    self.argv,
+                    stdin=subprocess.DEVNULL if self.detached else subprocess.PIPE,
+                    start_new_session=True,
+                    preexec_fn=_child_setup,
+                )
         except OSError as exc:
             print(f"evflow-guard: cannot run {self.argv[0]!r}: {exc.strerror}", file=sys.stderr)
             return 127

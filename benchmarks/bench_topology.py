@@ -12,7 +12,12 @@ agents (hosts h1..hK at 127.0.0.1; merger and sink on h1). Two figures per run:
 - ``wall``: from starting the ``evflow up`` process to its "devices RUNNING" line
   (interpreter start and imports included: what a user waits for);
 - ``controller``: what the controller itself measured (its own start to the last
-  RUNNING state), and the laps it logs at debug level (agents up, spawned, each step).
+  RUNNING state), and the laps it logs at debug level (agents up, spawned, each step);
+- ``cpu``: CPU-seconds that every process of the run had used at that moment (the
+  controller and its children, and with ``--farm`` every process in the namespace
+  hosts but their sshd daemons: ssh sessions, guards, agents, zygotes, devices; the
+  remote shells that ended are counted through their parents). On the shared 2-core
+  machine this is the steadier figure: the wall time follows the other users' load.
 
 With ``--farm`` the hosts are 3 network namespaces running sshd (``tests/farm_hosts.py``,
 root needed) and agents start over ssh; each size runs twice side by side: plaintext
@@ -26,6 +31,7 @@ too. The goal: 256 devices RUNNING within 3 s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import select
@@ -35,8 +41,33 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 LAP = re.compile(r"start-up: (.*) after ([0-9.]+) s")
+
+
+def cpu_s(pids: list[int]) -> float:
+    """CPU-seconds of these processes (every thread, ns-precise from schedstat) and of
+    their children that ended and were waited for."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError, psutil.NoSuchProcess):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/schedstat") as fh:
+                    total += int(fh.read().split()[0]) / 1e9
+            times = psutil.Process(pid).cpu_times()
+            total += times.children_user + times.children_system
+    return total
+
+
+def tree(pid: int) -> list[int]:
+    import psutil
+
+    with contextlib.suppress(psutil.NoSuchProcess):
+        return [pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))]
+    return []
 
 
 def topology(n: int, hosts: int) -> str:
@@ -63,8 +94,15 @@ class = "sink"
 
 
 def run_once(
-    workdir: Path, n: int, hosts: int, farm_args: list[str] | None = None, src: str | None = None
+    workdir: Path,
+    n: int,
+    hosts: int,
+    farm_args: list[str] | None = None,
+    src: str | None = None,
+    remote_pids: Any = None,
 ) -> dict[str, float]:
+    """One ``evflow up``; ``remote_pids()`` lists the processes of the run outside the
+    controller's tree (the namespace hosts')."""
     topo = workdir / f"bench{n}.toml"
     topo.write_text(topology(n, hosts))
     argv = [sys.executable, "-m", "evflow", "up", str(topo), "--quiet", "--severity", "debug"]
@@ -103,6 +141,8 @@ def run_once(
                 laps[m.group(1)] = float(m.group(2))
             if "devices RUNNING on" in line:
                 laps["wall"] = time.perf_counter() - start
+                pids = tree(proc.pid) + (remote_pids() if remote_pids is not None else [])
+                laps["cpu"] = cpu_s(pids)
         if "wall" in laps:
             break
     stop = time.perf_counter()
@@ -121,7 +161,7 @@ def run_once(
 
 HEADER = (
     f"{'devices':>7} {'hosts':>5} {'mode':>10} {'wall s':>7} {'ctrl s':>7} {'agents':>7} "
-    f"{'spawned':>8} {'stop s':>7}"
+    f"{'spawned':>8} {'cpu s':>6} {'stop s':>7}"
 )
 
 
@@ -130,7 +170,8 @@ def row(n: int, hosts: int, mode: str, laps: dict[str, float]) -> str:
         f"{n:>7} {hosts:>5} {mode:>10} {laps['wall']:>7.2f} "
         f"{laps.get('all RUNNING', float('nan')):>7.2f} "
         f"{laps.get('agents up', float('nan')):>7.2f} "
-        f"{laps.get('devices spawned', float('nan')):>8.2f} {laps['stop']:>7.2f}"
+        f"{laps.get('devices spawned', float('nan')):>8.2f} "
+        f"{laps.get('cpu', float('nan')):>6.2f} {laps['stop']:>7.2f}"
     )
 
 
@@ -161,13 +202,17 @@ def run_farm(sizes: list[int], repeat: int, against: str | None = None) -> None:
             check=True, capture_output=True,
         )  # fmt: skip
         common = ["--hosts", str(hosts_file), "--launcher", "ssh"]
+
+        def farm_pids() -> list[int]:
+            return [p for h in farm.hosts for p in farm.pids(h) if p not in farm.daemon_pids(h)]
+
         modes = {"plain": [*common, "--insecure"], "curve": [*common, "--keys", str(keys)]}
         print(HEADER)
         for n in sizes:
             for _ in range(repeat):
                 for mode, extra in modes.items():
                     for label, src in trees(against).items():  # alternated: A/B
-                        laps = run_once(work, n, 3, extra, src)
+                        laps = run_once(work, n, 3, extra, src, farm_pids)
                         print(row(n, 3, mode + label, laps), flush=True)
                     left = {h: farm.leftovers(h, timeout_s=10) for h in farm.hosts}
                     if any(left.values()):

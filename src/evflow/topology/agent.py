@@ -47,7 +47,7 @@ from evflow.wire.messages import MsgType
 log = logging.getLogger("evflow.agent")
 
 #: devices forked per zygote request (the agent's heartbeat goes out between batches)
-SPAWN_BATCH = 64
+SPAWN_BATCH = 16
 
 #: imported before the zygote forks, so that every device starts with them loaded
 PRELOAD = (
@@ -338,5 +338,9 @@ def run_agent(
             raise ConfigurationError(
                 f"agent {host!r}: cannot import {name!r} ({exc}); is it on PYTHONPATH there?"
             ) from None
+    if curve:
+        from evflow.transport.farmkeys import preload_farm_keys
+
+        preload_farm_keys()  # before the zygote forks: each device inherits the keys
     agent = Agent(bus, session, host, controller_lost_s=controller_lost_s, steering=steering)
     return agent.run()

@@ -115,14 +115,24 @@ def load_public_key(path: str | Path) -> bytes:
     return _load(path)[0]
 
 
+#: key files read by this process, by (path, mtime, size): a device opens two or three
+#: CURVE sockets, and inherits what its agent read before the zygote forked
+_loaded: dict[tuple[str, int, int], tuple[bytes, bytes]] = {}
+
+
 def _load(path: Path) -> tuple[bytes, bytes]:
     try:
         import zmq.auth
 
+        st = path.stat()
+        key = (str(path), st.st_mtime_ns, st.st_size)
+        if key in _loaded:
+            return _loaded[key]
         public, secret = zmq.auth.load_certificate(path)
     except (ValueError, OSError) as exc:
         raise ConfigurationError(f"{str(path)!r} is not a CURVE key file: {exc}") from None
-    return public, secret or b""
+    _loaded[key] = (public, secret or b"")
+    return _loaded[key]
 
 
 def allowed_keys(directory: str | Path) -> dict[bytes, bool]:

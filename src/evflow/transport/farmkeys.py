@@ -104,3 +104,20 @@ def farm_keys() -> FarmKeys | None:
         keys = FarmKeys(KeyRing(keys_dir), host, by_address)
     _cached = (env, keys)
     return keys
+
+
+def preload_farm_keys() -> None:
+    """Read the farm keys of this process's host now: a zygote forked afterwards gives
+    every device the parsed hosts file and key files. Errors are left to the sockets
+    that need the keys (they say which channel)."""
+    from evflow.transport.curve import PUBLIC_SUFFIX, load_public_key, load_secret_key
+
+    try:
+        keys = farm_keys()
+        if keys is None:
+            return
+        for path in sorted(keys.ring.directory.glob(f"*{PUBLIC_SUFFIX}")):
+            load_public_key(path)
+        load_secret_key(keys.ring.server_options(keys.host)["curveSecretKey"])
+    except ConfigurationError:
+        pass

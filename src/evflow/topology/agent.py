@@ -46,6 +46,8 @@ from evflow.wire.messages import MsgType
 
 log = logging.getLogger("evflow.agent")
 
+#: the agent waits at most this long for the bus to hear it before its first heartbeat
+HEARD_TIMEOUT_S = 2.0
 #: devices forked per zygote request (the agent's heartbeat goes out between batches)
 SPAWN_BATCH = 16
 
@@ -243,7 +245,14 @@ class Agent:
             if self.bus == "-":  # started before the controller's bus was up
                 self.bus = read_bus_line(self.host)
             _lap("bus known")
-            self.client = BusClient(context, self.node_id, self.bus)
+            # confirm: the first heartbeat waits until the bus hears us (one sent before
+            # the proxy's subscriptions arrive is dropped: the controller would wait
+            # for the next one, a quarter of a second later)
+            self.client = BusClient(context, self.node_id, self.bus, confirm=True)
+            deadline = time.monotonic() + HEARD_TIMEOUT_S
+            while not self._stop and time.monotonic() < deadline:
+                if self.client.wait_heard((MsgType.METRICS, MsgType.REPLY), 0.05):
+                    break
             self.client.handle("spawn", self._spawn)
             self.client.handle("shutdown", self._shutdown)
             self.client.handle("heartbeat", self._heartbeat)

@@ -38,8 +38,9 @@ from evflow.hlt.eventbuilder import BuilderConfig, BuiltBatch, EventBuilder
 from evflow.hlt.links import FragmentReceiver
 from evflow.hlt.replay import join_fragments
 from evflow.params import Param
-from evflow.processing.datastore import DataStore
+from evflow.processing.datastore import DataStore, EventMeta
 from evflow.processing.module import Source
+from evflow.processing.parallel.lazystore import LazyEvent
 from evflow.runtime.device import Device
 from evflow.runtime.devices._stream import send_end, wait_for_acks
 from evflow.wire.codec import encode_event
@@ -175,9 +176,18 @@ class EventBuilderInput(_Params, Source):
     streaming = True
 
     def events(self, start: int = 0) -> Iterator[DataStore]:
+        exp, run = self.experiment, self.run
         for batch in self._built():
-            if batch is not None:
-                yield from stores_from_batch(batch, self.merge, self.experiment, self.run)
+            if batch is None:
+                continue
+            if self.merge is not join_fragments:
+                yield from stores_from_batch(batch, self.merge, exp, run)
+                continue
+            # replayed events: re-headed as bytes, decoded only if a module opens one,
+            # and written as they are by a writer if none changed it
+            uids, frames = joined_from_batch(batch, exp, run)
+            for uid, fr in zip(uids, frames, strict=True):
+                yield LazyEvent(fr, EventMeta(uid, exp, run, uid))
 
     def encoded_batches(self, start: int = 0) -> Iterator[tuple[list[int], int, int, list[Any]]]:
         """The path engine's fast path: each built batch as ``(uids, experiment, run,

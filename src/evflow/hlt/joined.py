@@ -13,13 +13,12 @@ unusual returns None and the caller takes the long way (a full decode).
 from __future__ import annotations
 
 import struct
-from typing import Any
 
 import msgpack
 import numpy as np
 
-from evflow.errors import CodecError
-from evflow.wire._arrays import dtype_str, ext_hook, parse_dtype
+from evflow.wire._arrays import dtype_str, ext_hook
+from evflow.wire._check import entries_ok
 from evflow.wire._header import EVENT_PREFIX, META_END, T_ARRAY, T_VALUE, packb
 
 __all__ = ["NONE_MISSING", "rehead"]
@@ -53,31 +52,6 @@ def _array_head(n: int) -> bytes:
     return b"\xdd" + n.to_bytes(4, "big")
 
 
-def _entries_ok(entries: Any) -> bool:
-    """The entries decode (``_decode_body`` with no buffer frames) to plain values and
-    arrays inline; False for anything else (the caller decodes to be sure)."""
-    if type(entries) is not list:
-        return False
-    for e in entries:
-        if type(e) is not list or len(e) < 2 or type(e[0]) is not str:
-            return False
-        tag, n = e[1], len(e)
-        if tag == T_VALUE and n == 3:
-            continue
-        if not (tag == T_ARRAY and n == 5 and type(e[4]) is bytes):
-            return False
-        shape = e[3]
-        if not (type(shape) is list and len(shape) == 1 and type(shape[0]) is int):
-            return False
-        try:
-            size = parse_dtype(e[2]).itemsize
-        except CodecError:
-            return False
-        if not size or shape[0] < 0 or shape[0] * size != len(e[4]):
-            return False
-    return True
-
-
 def rehead(data: bytes, meta: bytes, state: int) -> bytes | None:
     """The header frame of the event packed in ``data`` with ``meta`` (48 bytes) and the
     entries ``hlt_state = state`` and ``hlt_missing`` (none) appended; None when ``data``
@@ -95,7 +69,7 @@ def rehead(data: bytes, meta: bytes, state: int) -> bytes | None:
     except Exception:  # not msgpack, trailing bytes, a bad ext: the decoder says why
         return None
     entries = header[3]
-    if not _entries_ok(entries):
+    if not entries_ok(entries):
         return None
     tag = data[_ENTRIES_AT]
     if 0x90 <= tag <= 0x9F:

@@ -23,6 +23,7 @@ import numpy as np
 from evflow.errors import CodecError
 from evflow.processing.datastore import DataStore, EventMeta
 from evflow.processing.parallel.batching import unpack_batch
+from evflow.wire._check import quick_meta
 from evflow.wire._header import EVENT_PREFIX, META, META_END, META_START
 from evflow.wire.codec import decode_event, peek_meta
 
@@ -53,6 +54,15 @@ class LazyEvent(DataStore):
         event._objects = store.objects
         event._before = list(store.objects.items())
         return event
+
+    @classmethod
+    def checked(cls, frames: Sequence[Any]) -> LazyEvent:
+        """The event in ``frames``, known to decode (``CodecError`` if it does not):
+        a one-frame event of plain values and arrays is checked on its parsed header
+        (``quick_meta``) and decoded only if someone opens it; any other is decoded
+        now (:meth:`decoded`)."""
+        meta = quick_meta(frames)
+        return cls.decoded(frames) if meta is None else cls(frames, meta)
 
     def _load(self) -> dict[str, Any]:
         objects = self._objects

@@ -402,8 +402,8 @@ class _Output:
     def _decode(self, frames: Any, uid: int) -> DataStore | None:
         """The event in ``frames`` if it decodes and is event ``uid``; else None, counted."""
         try:
-            # decoded (checked) now; a writer may still write the frames as received
-            store = LazyEvent.decoded(frames)
+            # checked now (decoded if need be); a writer may write the frames as received
+            store = LazyEvent.checked(frames)
         except CodecError as exc:
             self.bad.record("bad-event", f"uid {uid}: {exc}")
             return None

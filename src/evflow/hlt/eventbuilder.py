@@ -276,7 +276,7 @@ class EventBuilder:
         c.max_bytes_in_construction = max(c.max_bytes_in_construction, self.open_bytes)
         done = np.flatnonzero(mask == self.full)
         if len(done):
-            self._emit(done + s0, BuildState.COMPLETE)
+            self._emit(done + s0, BuildState.COMPLETE, ascending=True)
         return True
 
     def _add_small(self, k: int, batch: FragmentBatch, now: float) -> int:
@@ -402,19 +402,28 @@ class EventBuilder:
         if self.n_open:
             self._emit(np.flatnonzero(self._ev >= 0), BuildState.INCOMPLETE_INFERRED)
 
-    def _emit(self, slots: np.ndarray, state: BuildState) -> None:
+    def _emit(self, slots: np.ndarray, state: BuildState, ascending: bool = False) -> None:
+        """``slots`` leave construction in ``state`` as one batch, in id order
+        (``ascending``: they are already, e.g. complete events of consecutive slots)."""
         ids = self._ev[slots]
-        order = np.argsort(ids, kind="stable")
-        slots, ids = slots[order], ids[order]
-        mask = self._mask[slots]
-        missing = self.full & ~mask
-        lens = self._len[slots]
-        present = ((mask[:, None] >> np.arange(len(self.sources), dtype=np.uint64)) & 1).astype(
-            bool
-        )
-        lens = np.where(present, lens, 0)
-        msg = np.where(present, self._msg[slots], -1)
-        used = msg[present]
+        if not ascending:
+            order = np.argsort(ids, kind="stable")
+            slots, ids = slots[order], ids[order]
+        if state is BuildState.COMPLETE:  # every source present: nothing to blank
+            missing = np.zeros(len(slots), np.uint64)
+            lens = self._len[slots]
+            msg = self._msg[slots]
+            used = msg.ravel()
+            present = None
+        else:
+            mask = self._mask[slots]
+            missing = self.full & ~mask
+            present = ((mask[:, None] >> np.arange(len(self.sources), dtype=np.uint64)) & 1).astype(
+                bool
+            )
+            lens = np.where(present, self._len[slots], 0)
+            msg = np.where(present, self._msg[slots], -1)
+            used = msg[present]
         serials, counts = np.unique(used, return_counts=True)
         bufs = {}
         for s, n in zip(serials.tolist(), counts.tolist(), strict=True):
@@ -446,6 +455,7 @@ class EventBuilder:
                 c.incomplete_timeout += len(ids)
             else:
                 c.incomplete_inferred += len(ids)
+            assert present is not None
             per = present.shape[0] - present.sum(axis=0)
             for k, src in enumerate(self.sources):
                 self.incomplete_by_source[src] += int(per[k])

@@ -8,8 +8,8 @@ build:  12 inputs (4 sender processes x 3 sources, real sockets) -> FragmentRece
         (the senders share the 2 cores); "builder CPU/event" is this process's CPU
         time per built event (receive, build, free), so "builder-bound rate" = 1 / it
         is what one core of building alone would sustain.
-cpu:    replay device (4 streams; 1 kHz in ticks of ~32 events (auto) or one event
-        at a time, or as fast as possible) -> EventBuilderInput (the pieces joined as
+cpu:    replay device (4 streams; 1 kHz in ticks of ~32 events (auto), of 100 ms, or
+        one event at a time, or as fast as possible) -> EventBuilderInput (the pieces joined as
         bytes there, merge=join_fragments, or by JoinFragments in the workers) ->
         MeteredWork (BusyWork, 1 ms of CPU) -> RecordOutput, sequential and with 2
         workers. While the run goes, every process of it (replay device, path process
@@ -293,6 +293,7 @@ def _chain_cpu(workers: int, n: int, rate: float, tick_ms: float, join: str) -> 
 # (rate Hz, replay tick ms (-1 auto), where the pieces are joined)
 CPU_CASES = (
     (1000.0, -1.0, "builder"),
+    (1000.0, 100.0, "builder"),  # longer ticks: each costs every process a message
     (1000.0, -1.0, "workers"),
     (1000.0, 0.0, "builder"),
     (0.0, 0.0, "builder"),

@@ -8,8 +8,8 @@ build:  12 inputs (4 sender processes x 3 sources, real sockets) -> FragmentRece
         (the senders share the 2 cores); "builder CPU/event" is this process's CPU
         time per built event (receive, build, free), so "builder-bound rate" = 1 / it
         is what one core of building alone would sustain.
-cpu:    replay device (4 streams; 1 kHz in ticks of ~32 events (auto) or one event
-        at a time, or as fast as possible) -> EventBuilderInput (the pieces joined as
+cpu:    replay device (4 streams; 1 kHz in ticks of ~32 events (auto), of 100 ms, or
+        one event at a time, or as fast as possible) -> EventBuilderInput (the pieces joined as
         bytes there, merge=join_fragments, or by JoinFragments in the workers) ->
         MeteredWork (BusyWork, 1 ms of CPU) -> RecordOutput, sequential and with 2
         workers. While the run goes, every process of it (replay device, path process
@@ -17,7 +17,8 @@ cpu:    replay device (4 streams; 1 kHz in ticks of ~32 events (auto) or one eve
         sampled from /proc/PID/task/TID/schedstat (ns on a CPU), and the work's own CPU
         from the module's meter (thread CPU inside event()). The framework share is
         (all CPU - work CPU) / all CPU over the window from 20 % to 90 % of the events
-        (steady state: start-up and drain left out); "whole run" is the same from
+        (steady state: start-up and drain left out; the replay plays 25 % more, so its
+        end is not in the window either); "whole run" is the same from
         RUSAGE_CHILDREN over everything, start-up included. Per process: framework
         us per event (the workers' and the sequential path's minus the work).
 replay: ReplayInput at 1, 10, 50 kHz for 5 s each: achieved rate and worst lag.
@@ -226,20 +227,28 @@ def _role(name: str, pid: int, child: int) -> str:
     return "replay" if name.startswith("python") else name.split(".")[0].rstrip("-0123456789")
 
 
+#: the replay plays this much more than the window's ``n`` events: a sequential path
+#: (1 ms of work + its framework per event) falls behind a 1 kHz replay, and the
+#: replay's end (ENDs, ACKs, its exit: ~30 ms of CPU) must not fall into the window
+REPLAY_MORE = 1.25
+
+
 def _chain_cpu(workers: int, n: int, rate: float, tick_ms: float, join: str) -> dict[str, Any]:
-    """One run; the window is the events between 20 % and 90 % of the work done,
-    sampled while it runs: every process's CPU and the work's own CPU in it."""
+    """One run; the window is the events between 20 % and 90 % of ``n`` (the replay
+    plays ``REPLAY_MORE`` times ``n``), sampled while it runs: every process's CPU and
+    the work's own CPU in it."""
+    n_replay = int(n * REPLAY_MORE)
     # (not "evflow-*": test clean-ups of other runs on this machine may remove those)
     with tempfile.TemporaryDirectory(prefix="benchhlt-") as d:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        args = [str(workers), str(n), str(rate), str(tick_ms), d, join]
+        args = [str(workers), str(n_replay), str(rate), str(tick_ms), d, join]
         child = subprocess.Popen(
             [sys.executable, __file__, "--cpu-child", *args], start_new_session=True
         )
         first: tuple[int, int, dict[int, tuple[str, int]]] | None = None
         seen: dict[tuple[int, int], int] = {}
         last = first
-        deadline = time.monotonic() + 60 + n * 0.01
+        deadline = time.monotonic() + 60 + n_replay * 0.01
         try:
             while child.poll() is None:
                 if time.monotonic() > deadline:
@@ -260,7 +269,7 @@ def _chain_cpu(workers: int, n: int, rate: float, tick_ms: float, join: str) -> 
         total = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
         work_all = _read_meters(d)[1] / 1e9
         rep = json.loads(Path(d, "replay.json").read_text())["replay"]
-        assert json.loads(Path(d, "builder.json").read_text())["complete"] == n
+        assert json.loads(Path(d, "builder.json").read_text())["complete"] == n_replay
     assert first is not None and last is not None and last[0] > first[0], "no window sampled"
     events = last[0] - first[0]
     roles: dict[str, float] = {}
@@ -284,6 +293,7 @@ def _chain_cpu(workers: int, n: int, rate: float, tick_ms: float, join: str) -> 
 # (rate Hz, replay tick ms (-1 auto), where the pieces are joined)
 CPU_CASES = (
     (1000.0, -1.0, "builder"),
+    (1000.0, 100.0, "builder"),  # longer ticks: each costs every process a message
     (1000.0, -1.0, "workers"),
     (1000.0, 0.0, "builder"),
     (0.0, 0.0, "builder"),

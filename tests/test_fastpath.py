@@ -313,6 +313,41 @@ def test_lazy_event_rejects_bad_frames_with_codec_error() -> None:
         broken["a"]
 
 
+def test_a_writer_writes_an_unchanged_lazy_event_as_received(tmp_path: FsPath) -> None:
+    """RecordOutput writes the received frames of an event nobody changed (as they
+    are, even in a msgpack form the encoder would not write) and encodes any other."""
+    meta = EventMeta(7, 1, 2, 3)
+    frames = encode_event(DataStore(meta, {"a": np.arange(3), "v": 5}))
+    odd = [bytes(frames[0]).replace(b"\xa1v\x00\x05", b"\xa1v\x00\xcc\x05")]  # uint8 5
+    assert decode_event(odd)["v"] == 5 and encode_event(decode_event(odd)) != odd
+
+    def opened(s: LazyEvent) -> None:
+        s["a"]
+
+    def added(s: LazyEvent) -> None:
+        s["b"] = 1
+
+    def flagged(s: LazyEvent) -> None:
+        s.meta.flags |= 4
+
+    cases = [(None, True), (opened, True), (added, False), (flagged, False)]
+    out = RecordOutput(file=str(tmp_path / "o.evr"), fsync=False)
+    out.initialize()
+    stores = []
+    for change, same in cases:
+        for make in (LazyEvent, LazyEvent.decoded):
+            store = make(odd)
+            if change is not None:
+                change(store)
+            assert (store.as_received() is odd) is same
+            out.write(store)
+            stores.append((store, same))
+    out.close()
+    records = list(RecordInput(file=str(tmp_path / "o.evr")).encoded_events(0))
+    for (_, _, _, got), (store, same) in zip(records, stores, strict=True):
+        assert as_bytes(got) == (as_bytes(odd) if same else as_bytes(encode_event(store)))
+
+
 # --- RecordInput.encoded_events ----------------------------------------------------------
 def test_record_encoded_events_decode_to_what_events_yields(tmp_path: FsPath) -> None:
     file = tmp_path / "r.evr"

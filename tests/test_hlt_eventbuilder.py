@@ -243,3 +243,42 @@ def test_merge_function() -> None:
     (bb,) = b.take_built()
     (store,) = stores_from_batch(bb, merge=lambda e, f: {"all": b"".join(f[s] for s in sorted(f))})
     assert store["all"] == bytes([0, 1, 0, 1, 1, 1, 1, 1])
+
+
+def test_runs_of_consecutive_ids_build_as_the_general_path_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The ring-slice path for consecutive ids (``_add_run``) against the general one:
+    random runs per source, repeated, late, overlapping, past the event and byte
+    limits; the same takes, counters and built events, step by step."""
+    rng = np.random.default_rng(15)
+    for trial in range(40):
+        cfg = dict(sources=range(3), timeout_s=5.0, max_events=int(rng.integers(8, 80)))
+        if trial % 3 == 0:
+            cfg["max_bytes"] = int(rng.integers(50, 400))
+        clock = Clock()
+        fast, slow = (
+            EventBuilder(BuilderConfig(**cfg), clock),
+            EventBuilder(BuilderConfig(**cfg), clock),
+        )
+        monkeypatch.setattr(slow, "_add_run", lambda *a: False)
+        nxt = [0, 0, 0]
+        for _ in range(60):
+            src = int(rng.integers(0, 3))
+            start = nxt[src]  # on, or back (late, duplicate) or ahead
+            if rng.random() < 0.4:
+                start += int(rng.integers(-12, 6))
+            n = int(rng.integers(1, 40))
+            ids = list(range(max(start, 0), max(start, 0) + n))
+            if rng.random() < 0.1:
+                ids[n // 2] = ids[0]  # repeated inside the batch
+            b = batch(src, ids)
+            assert fast.add(b) == slow.add(b)
+            nxt[src] = max(nxt[src], ids[-1] + 1)
+            clock.t += float(rng.random())
+            fast.poll(), slow.poll()
+            got, want = fast.take_built(), slow.take_built()
+            assert [x.ids.tolist() for x in got] == [x.ids.tolist() for x in want]
+            assert [x.states.tolist() for x in got] == [x.states.tolist() for x in want]
+            assert [x.packed() for x in got] == [x.packed() for x in want]
+            assert fast.metrics() == slow.metrics()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -38,8 +39,9 @@ from evflow.hlt.eventbuilder import BuilderConfig, BuiltBatch, EventBuilder
 from evflow.hlt.links import FragmentReceiver
 from evflow.hlt.replay import join_fragments
 from evflow.params import Param
-from evflow.processing.datastore import DataStore
+from evflow.processing.datastore import DataStore, EventMeta
 from evflow.processing.module import Source
+from evflow.processing.parallel.lazystore import LazyEvent
 from evflow.runtime.device import Device
 from evflow.runtime.devices._stream import send_end, wait_for_acks
 from evflow.wire.codec import encode_event
@@ -47,6 +49,12 @@ from evflow.wire.codec import encode_event
 __all__ = ["EventBuilderDevice", "EventBuilderInput", "parse_sources"]
 
 log = logging.getLogger("evflow.hlt")
+
+#: the source's waits for fragments (ms): while events are in construction (their
+#: time-outs are looked at this often), and when none is (ticks of a paced stream
+#: wake it; this bounds how late the end of the streams is noticed)
+BUSY_WAIT_MS = 10
+IDLE_WAIT_MS = 100
 
 
 def parse_sources(spec: str | int) -> list[int]:
@@ -169,15 +177,25 @@ class EventBuilderInput(_Params, Source):
         self.builder: EventBuilder | None = None
         self.receiver: FragmentReceiver | None = None
         self.summary: dict[str, Any] = {}
+        self._due: float | None = None  # when the batch being gathered must go
 
     #: for the path engine: events arrive over time; each chunk of ``encoded_batches``
     #: (``batch_ms`` of arrivals) is one batch, without waiting for the next
     streaming = True
 
     def events(self, start: int = 0) -> Iterator[DataStore]:
+        exp, run = self.experiment, self.run
         for batch in self._built():
-            if batch is not None:
-                yield from stores_from_batch(batch, self.merge, self.experiment, self.run)
+            if batch is None:
+                continue
+            if self.merge is not join_fragments:
+                yield from stores_from_batch(batch, self.merge, exp, run)
+                continue
+            # replayed events: re-headed as bytes, decoded only if a module opens one,
+            # and written as they are by a writer if none changed it
+            uids, frames = joined_from_batch(batch, exp, run)
+            for uid, fr in zip(uids, frames, strict=True):
+                yield LazyEvent(fr, EventMeta(uid, exp, run, uid))
 
     def encoded_batches(self, start: int = 0) -> Iterator[tuple[list[int], int, int, list[Any]]]:
         """The path engine's fast path: each built batch as ``(uids, experiment, run,
@@ -194,6 +212,7 @@ class EventBuilderInput(_Params, Source):
             if batch is not None:
                 if not uids:
                     t_first = time.monotonic()
+                    self._due = t_first + wait_s  # _built waits no longer than this
                 if self.merge is None:
                     u, f = encoded_from_batch(batch, exp, run)
                 elif self.merge is join_fragments:  # replayed events: joined as bytes
@@ -206,10 +225,21 @@ class EventBuilderInput(_Params, Source):
             # held for up to batch_ms from the first (the events of a paced stream
             # arrive a few at a time): one chunk, one batch, one message per hop
             if uids and (len(uids) >= cap or time.monotonic() - t_first >= wait_s):
+                self._due = None
                 yield uids, exp, run, frames
                 uids, frames = [], []
         if uids:
             yield uids, exp, run, frames
+
+    def _wait_ms(self, builder: EventBuilder) -> int:
+        """How long to wait for fragments: 10 ms while events are in construction
+        (their time-outs), else until the batch held by :meth:`encoded_batches` is
+        due, at most ``IDLE_WAIT_MS`` (a paced stream's ticks wake it: no polling
+        between them)."""
+        wait = BUSY_WAIT_MS if builder.n_open else IDLE_WAIT_MS
+        if self._due is not None:
+            wait = min(wait, max(0, math.ceil((self._due - time.monotonic()) * 1000)))
+        return wait
 
     def _built(self) -> Iterator[BuiltBatch | None]:
         """Built batches as they come, and None after a wait that built nothing."""
@@ -234,7 +264,7 @@ class EventBuilderInput(_Params, Source):
                 # keep the sockets served (credits, END, HELLO) between batches, but
                 # take no more while a backlog of 512 events waits for the path
                 if waiting < min(self.max_events, 512):
-                    if recv.pump(0 if backlog else 10):
+                    if recv.pump(0 if backlog else self._wait_ms(builder)):
                         quiet_since = time.monotonic()
                     for batch in builder.take_built():
                         backlog.append(batch)

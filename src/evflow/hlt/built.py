@@ -16,11 +16,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import msgpack
 import numpy as np
 
-from evflow.errors import CodecError, ProtocolError
+from evflow.errors import ProtocolError
 from evflow.hlt.eventbuilder import BuildState, BuiltBatch
+from evflow.hlt.joined import rehead
 from evflow.hlt.replay import join_fragments
 from evflow.processing.datastore import DataStore, EventMeta
 from evflow.wire._arrays import dtype_str
@@ -33,7 +33,7 @@ from evflow.wire._header import (
     T_VALUE,
     packb,
 )
-from evflow.wire.codec import decode_event, encode_event, unpack_frames
+from evflow.wire.codec import encode_event
 from evflow.wire.messages import Message, MsgType, encode_message
 
 __all__ = [
@@ -135,31 +135,32 @@ def joined_from_batch(
 ) -> tuple[list[int], list[list[Any]]]:
     """:func:`encoded_from_batch` for ``merge=join_fragments`` (replayed events): a
     complete event's pieces joined are the replayed event's own bytes, so its header
-    entries are taken as they are (parsed, never re-encoded from objects) plus
-    ``hlt_state`` and ``hlt_missing``, under the builder's meta. A worker that does not
-    open the event never decodes it. The event is still decoded once here, so bytes
-    that are not an event are treated as ``join_fragments`` treats them."""
+    is re-headed as bytes (:func:`~evflow.hlt.joined.rehead`: the builder's meta, plus
+    ``hlt_state`` and ``hlt_missing``), never rebuilt from objects. A worker that does
+    not open the event never decodes it. The header is still parsed and checked once
+    here; bytes that are not an event are treated as ``join_fragments`` treats them."""
     uids = batch.ids.tolist()
     states = batch.states.tolist()
     misses = batch.missing.tolist()
+    msgs = batch._msg.tolist()
+    offs = batch._off.tolist()
+    lens = batch.lengths.tolist()
+    bufs = {k: memoryview(b).cast("B") for k, b in batch._bufs.items()}
+    # the pieces in source id order (join_fragments joins them so)
+    order = sorted(range(len(batch.sources)), key=batch.sources.__getitem__)
     pack_meta = META.pack
-    none_missing = ("hlt_missing", T_ARRAY, _U4, (0,), b"")
+    flags, attempt = _M0.flags, _M0.attempt
     out: list[list[Any]] = []
     for i, uid in enumerate(uids):
-        frags = batch.fragments(i)
         if not misses[i]:
-            data = b"".join([frags[s] for s in sorted(frags)])
-            try:
-                frames = unpack_frames(data)
-                decode_event(frames)  # the check join_fragments makes
-            except CodecError:
-                frames = []
-            if len(frames) == 1:  # (an event with buffer frames goes the long way)
-                head = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
-                entries = [*head[3], ("hlt_state", T_VALUE, states[i]), none_missing]
-                meta = pack_meta(uid, experiment, run, uid, _M0.flags, _M0.attempt)
-                out.append([packb((CODEC_VERSION, KIND_EVENT, meta, entries))])
+            m, o, n = msgs[i], offs[i], lens[i]
+            data = b"".join([bufs[m[k]][o[k] : o[k] + n[k]] for k in order])
+            meta = pack_meta(uid, experiment, run, uid, flags, attempt)
+            head = rehead(data, meta, states[i])
+            if head is not None:
+                out.append([head])
                 continue
+        frags = batch.fragments(i)
         gone = batch.missing_sources(i) if misses[i] else []
         store = _store(uid, frags, states[i], gone, join_fragments, experiment, run)
         out.append(encode_event(store))

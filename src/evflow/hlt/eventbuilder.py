@@ -117,6 +117,8 @@ class EventBuilder:
         ids = batch.ids
         if self.base is not None and len(ids) <= SMALL_BATCH:
             return self._add_small(k, batch, now)
+        if self.base is not None and self._add_run(k, batch, now):
+            return len(ids)
         if self.base is None:
             first = int(ids[0])
             self.base = self.top = first if first >= 0 else 0
@@ -210,6 +212,72 @@ class EventBuilder:
         done = tslots[self._mask[tslots] == self.full]
         if len(done):
             self._emit(done, BuildState.COMPLETE)
+
+    def _add_run(self, k: int, batch: FragmentBatch, now: float) -> bool:
+        """The common case, on ring slices: consecutive ascending ids, all new events
+        (with room for them) or all in construction and missing this source; the
+        batch is taken whole. False (nothing done) for anything else: :meth:`add`."""
+        ids, base, cap = batch.ids, self.base, self.capacity
+        assert base is not None
+        n = len(ids)
+        first, last = int(ids[0]), int(ids[-1])
+        s0 = first & self._cmask
+        if first < base or last >= base + cap or last - first != n - 1 or s0 + n > cap:
+            return False
+        if n > 1 and not bool((ids[1:] > ids[:-1]).all()):
+            return False  # (first..last spans n ids: ascending means consecutive)
+        sl = slice(s0, s0 + n)
+        ev = self._ev[sl]
+        bit = np.uint64(1 << k)
+        lens = batch.lengths
+        if ev[0] == first and ev[-1] == last and bool((ev == ids).all()):
+            if (self._mask[sl] & bit).any():
+                return False  # duplicates among them
+            fresh = False
+        else:
+            d0 = first & self._wmask
+            if (
+                self.n_open + n > self.config.max_events
+                or d0 + n > len(self._done)
+                or (ev == ids).any()
+                or (self._done[d0 : d0 + n] == ids).any()
+            ):
+                return False  # no room, partly in construction, late or wrapped
+            nb = int(lens.sum())
+            if self.open_bytes + nb > self.config.max_bytes:
+                return False
+            fresh = True
+        cfg, c = self.config, self.counters
+        self._heard[k] = now
+        self._ended[k] = False
+        if cfg.ordered and last > self._last[k]:
+            self._last[k] = last
+        if fresh:
+            ev[:] = ids
+            self._mask[sl] = 0
+            self._nbytes[sl] = 0
+            self._t0[sl] = now
+            self.n_open += n
+            self.top = max(self.top, last + 1)
+        serial = self._serial
+        self._serial += 1
+        self._bufs[serial] = [batch.data, n]
+        mask = self._mask[sl]
+        mask |= bit
+        self._msg[sl, k] = serial
+        self._off[sl, k] = batch.offsets
+        self._len[sl, k] = lens
+        self._nbytes[sl] += lens
+        nb = int(lens.sum()) if not fresh else nb
+        self.open_bytes += nb
+        c.fragments += n
+        c.bytes += nb
+        c.max_in_construction = max(c.max_in_construction, self.n_open)
+        c.max_bytes_in_construction = max(c.max_bytes_in_construction, self.open_bytes)
+        done = np.flatnonzero(mask == self.full)
+        if len(done):
+            self._emit(done + s0, BuildState.COMPLETE, ascending=True)
+        return True
 
     def _add_small(self, k: int, batch: FragmentBatch, now: float) -> int:
         """:meth:`add` fragment by fragment, for a few fragments (same rules)."""
@@ -334,19 +402,28 @@ class EventBuilder:
         if self.n_open:
             self._emit(np.flatnonzero(self._ev >= 0), BuildState.INCOMPLETE_INFERRED)
 
-    def _emit(self, slots: np.ndarray, state: BuildState) -> None:
+    def _emit(self, slots: np.ndarray, state: BuildState, ascending: bool = False) -> None:
+        """``slots`` leave construction in ``state`` as one batch, in id order
+        (``ascending``: they are already, e.g. complete events of consecutive slots)."""
         ids = self._ev[slots]
-        order = np.argsort(ids, kind="stable")
-        slots, ids = slots[order], ids[order]
-        mask = self._mask[slots]
-        missing = self.full & ~mask
-        lens = self._len[slots]
-        present = ((mask[:, None] >> np.arange(len(self.sources), dtype=np.uint64)) & 1).astype(
-            bool
-        )
-        lens = np.where(present, lens, 0)
-        msg = np.where(present, self._msg[slots], -1)
-        used = msg[present]
+        if not ascending:
+            order = np.argsort(ids, kind="stable")
+            slots, ids = slots[order], ids[order]
+        if state is BuildState.COMPLETE:  # every source present: nothing to blank
+            missing = np.zeros(len(slots), np.uint64)
+            lens = self._len[slots]
+            msg = self._msg[slots]
+            used = msg.ravel()
+            present = None
+        else:
+            mask = self._mask[slots]
+            missing = self.full & ~mask
+            present = ((mask[:, None] >> np.arange(len(self.sources), dtype=np.uint64)) & 1).astype(
+                bool
+            )
+            lens = np.where(present, self._len[slots], 0)
+            msg = np.where(present, self._msg[slots], -1)
+            used = msg[present]
         serials, counts = np.unique(used, return_counts=True)
         bufs = {}
         for s, n in zip(serials.tolist(), counts.tolist(), strict=True):
@@ -378,6 +455,7 @@ class EventBuilder:
                 c.incomplete_timeout += len(ids)
             else:
                 c.incomplete_inferred += len(ids)
+            assert present is not None
             per = present.shape[0] - present.sum(axis=0)
             for k, src in enumerate(self.sources):
                 self.incomplete_by_source[src] += int(per[k])

@@ -287,13 +287,17 @@ class FragmentSender:
                     self.credit += credit
 
     def wait_credit(self, deadline_s: float, stop: Callable[[], bool] | None = None) -> bool:
-        """Wait until a credit is there (or the deadline passes); True if there is one."""
-        self._read(0)
+        """Wait until a credit is there (or the deadline passes); True if there is one.
+
+        Credits are read from the socket only when none is left (READYs wait there
+        meanwhile): a send with credit costs no poll."""
         while self.credit <= 0:
             left_ms = int((deadline_s - time.monotonic()) * 1000)
-            if left_ms <= 0 or (stop is not None and stop()):
+            if stop is not None and stop():
                 return False
-            self._read(min(left_ms, 50))
+            self._read(min(max(left_ms, 0), 50))
+            if left_ms <= 0:
+                return self.credit > 0
         return True
 
     def send_batch(self, ids: Any, fragments: Any, timeout_s: float = 30.0) -> None:

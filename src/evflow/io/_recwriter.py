@@ -138,11 +138,14 @@ class RecordWriter:
         Large frames are referenced, not copied, until the buffer is written: they must
         not change until ``flush``.
         """
-        if len(frames) == 1 and type(frames[0]) is bytes and len(frames[0]) < _SMALL:
-            # a small event is one frame: build the packed payload directly (cheapest)
+        if len(frames) == 1:
+            # a small event is one frame (bytes, or a received view): the packed
+            # payload built directly (cheapest)
             frame = frames[0]
-            self.write_record(uid, flags, _ONE_FRAME.pack(1, len(frame)) + frame)
-            return
+            n = len(frame) if type(frame) is bytes else memoryview(frame).nbytes
+            if n < _SMALL:
+                self.write_record(uid, flags, _ONE_FRAME.pack(1, n) + frame)
+                return
         lens = [len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames]
         head = _U32.pack(len(lens)) + struct.pack(f"<{len(lens)}Q", *lens)
         if sum(lens) < _SMALL and all(type(f) is bytes for f in frames):

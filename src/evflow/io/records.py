@@ -118,7 +118,10 @@ class RecordOutput(Writer):
 
     def write(self, store: DataStore) -> None:
         meta = store.meta
-        self._open().write_frames(meta.uid, meta.flags, encode_event(store))
+        # an event still in the frames it came in (nobody changed it): as they are
+        received = getattr(store, "as_received", None)
+        frames = received() if received is not None else None
+        self._open().write_frames(meta.uid, meta.flags, frames or encode_event(store))
 
     def write_raw(self, meta: EventMeta, frames: Sequence[bytes | memoryview]) -> None:
         self._open().write_frames(meta.uid, meta.flags, frames)

@@ -13,6 +13,7 @@ unread, as the worker already did for events the modules left unchanged.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterator, Sequence
 from itertools import pairwise
 from typing import Any
@@ -22,6 +23,7 @@ import numpy as np
 from evflow.errors import CodecError
 from evflow.processing.datastore import DataStore, EventMeta
 from evflow.processing.parallel.batching import unpack_batch
+from evflow.wire._check import quick_meta
 from evflow.wire._header import EVENT_PREFIX, META, META_END, META_START
 from evflow.wire.codec import decode_event, peek_meta
 
@@ -43,14 +45,48 @@ class LazyEvent(DataStore):
         """Decode the objects now (``EVFLOW_NO_FASTPATH``: workers decode every event)."""
         self._load()
 
+    @classmethod
+    def decoded(cls, frames: Sequence[Any]) -> LazyEvent:
+        """The event in ``frames`` decoded at once (``CodecError`` if it does not
+        decode), keeping the frames for :meth:`as_received`."""
+        store = decode_event(frames)
+        event = cls(frames, store.meta)
+        event._objects = store.objects
+        event._before = list(store.objects.items())
+        return event
+
+    @classmethod
+    def checked(cls, frames: Sequence[Any]) -> LazyEvent:
+        """The event in ``frames``, known to decode (``CodecError`` if it does not):
+        a one-frame event of plain values and arrays is checked on its parsed header
+        (``quick_meta``) and decoded only if someone opens it; any other is decoded
+        now (:meth:`decoded`)."""
+        meta = quick_meta(frames)
+        return cls.decoded(frames) if meta is None else cls(frames, meta)
+
     def _load(self) -> dict[str, Any]:
         objects = self._objects
         if objects is None:
             assert self._frames is not None
             objects = self._objects = decode_event(self._frames).objects
             self._before = list(objects.items())  # what untouched() compares against
-            self._frames = None
         return objects
+
+    def as_received(self) -> Sequence[Any] | None:
+        """The frames the event came in while they still say what it holds: the
+        objects never opened or left as decoded (:func:`untouched`) and the meta as in
+        the frames. None otherwise (encode the event). A writer writes them as they are."""
+        frames = self._frames
+        if frames is None or (self._objects is not None and not untouched(self)):
+            return None
+        m = self.meta
+        if type(m) is not EventMeta:
+            return None
+        try:
+            fields = META.pack(m.uid, m.experiment, m.run, m.event, m.flags, m.attempt)
+        except struct.error:
+            return None
+        return frames if frames[0][META_START:META_END] == fields else None
 
     @property
     def loaded(self) -> bool:
@@ -289,6 +325,9 @@ class BatchEvent(LazyEvent):
     def meta(self, value: EventMeta) -> None:
         self._meta = value
         self._batch.touched.append(self._i)
+
+    def as_received(self) -> None:
+        return None  # the worker forwards the batch's frames itself (changed())
 
     def _load(self) -> dict[str, Any]:
         objects = self._objects

@@ -39,6 +39,7 @@ from evflow.processing.parallel.common import (
 )
 from evflow.processing.parallel.dedup import WrittenUids
 from evflow.processing.parallel.fills import Fills
+from evflow.processing.parallel.lazystore import LazyEvent
 from evflow.processing.parallel.persist import decode_persistent, encode_persistent, merge_into
 from evflow.processing.parallel.reorder import SKIP, ReorderBuffer
 from evflow.processing.parallel.rolebus import wait_ms
@@ -401,7 +402,8 @@ class _Output:
     def _decode(self, frames: Any, uid: int) -> DataStore | None:
         """The event in ``frames`` if it decodes and is event ``uid``; else None, counted."""
         try:
-            store = decode_event(frames)
+            # checked now (decoded if need be); a writer may write the frames as received
+            store = LazyEvent.checked(frames)
         except CodecError as exc:
             self.bad.record("bad-event", f"uid {uid}: {exc}")
             return None
@@ -414,7 +416,7 @@ class _Output:
         if self.no_modules:
             self.written += 1
             return
-        store = frames if type(frames) is DataStore else decode_event(frames)
+        store = frames if isinstance(frames, DataStore) else decode_event(frames)
         meta, current = store.meta, self.chain.run
         if current is None or current.run != meta.run or current.experiment != meta.experiment:
             self.chain.switch_run(meta.experiment, meta.run)

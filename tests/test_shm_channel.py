@@ -11,13 +11,13 @@ import sys
 import time
 from pathlib import Path
 
-import msgpack
 import pytest
 import zmq
 
 from evflow.errors import ConfigurationError
 from evflow.transport.channel import open_channel, parse_channel_config
 from evflow.transport.shm_channel import RING_PREFIX, ShmChannel, sweep_stale_rings
+from evflow.transport.shm_marker import INLINE, REGION, pack_marker
 from evflow.wire.messages import MsgType, decode_message, encode_message
 from shm_peer import pinned, rings
 
@@ -130,8 +130,9 @@ def test_full_ring_falls_back_to_copying_and_bad_markers_are_dropped(tmp_path: P
         assert rx.poll(5000) and bytes(decode_message(rx.recv()).payload[0]) == payload
         assert tx.shm_copied <= 5
         # a forged marker naming a foreign file: dropped as an unknown message, no crash
-        for entry in ([0, "/etc/passwd", 0, 10, 64], [0, f"{RING_PREFIX}1-other-x", 0, 1, 64]):
-            tx.socket.send_multipart([msgpack.packb([entry]), b"\x03", b"\x80", b""])
+        for name in ("/etc/passwd", f"{RING_PREFIX}1-other-x"):
+            entries = [INLINE, 0, 1, 0, INLINE, 1, 1, 0, REGION, 4096 * 17, 10, 64]
+            tx.socket.send(pack_marker(name.encode(), [3], entries, [b"\x03", b"\x80"]))
             assert rx.poll(5000)
             assert rx.recv()[0] == b"\x00"
         assert rx.shm_bad == 2

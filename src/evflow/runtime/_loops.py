@@ -122,9 +122,15 @@ def data_loop(dev: Device) -> None:
             targets[ch.socket] = (ch, handler, dev.bad_messages[ch.label], Origin(ch), views)
     limit = dev.max_iterations
     noblock = zmq.NOBLOCK
+    # a shm channel keeps the rest of a batch (send_many) after a recv: the socket has
+    # nothing more to say about those messages, so they are looked for here
+    sockets = list(targets)
     while not dev._loop_stop:
         dev._tick()
-        for sock, _ in poller.poll(POLL_INTERVAL_MS):
+        waiting = [s for s in sockets if targets[s][0].pending]
+        ready = [s for s, _ in poller.poll(0 if waiting else POLL_INTERVAL_MS)]
+        ready += [s for s in waiting if s not in ready]
+        for sock in ready:
             ch, handler, bad, origin, views = targets[sock]
             router = ch.type == "router"
             decode = raw_message if ch.raw else bad.decode  # raw: FairMQ's bare frames

@@ -158,7 +158,7 @@ def test_kill_9_of_either_side_while_views_are_held(pair: Pair, tmp_path: Path) 
     assert rx2.wait(30) == 0
     r2 = pair.stats("r2")
     assert r2["bad"] == r2["held_bad"] == 0 and r2["held_ok"] >= r2["in_region"] > 30
-    _next_start_cleans(pair, tmp_path, tx.pid)
+    next_start_cleans(pair, tmp_path, tx.pid)
 
 
 def test_kill_9_of_both_while_views_are_held(pair: Pair, tmp_path: Path) -> None:
@@ -171,10 +171,10 @@ def test_kill_9_of_both_while_views_are_held(pair: Pair, tmp_path: Path) -> None
         rx.wait(10)
         tx.wait(10)
         assert rings(tx.pid)
-    _next_start_cleans(pair, tmp_path, tx.pid)
+    next_start_cleans(pair, tmp_path, tx.pid)
 
 
-def _next_start_cleans(pair: Pair, tmp_path: Path, dead_pid: int) -> None:
+def next_start_cleans(pair: Pair, tmp_path: Path, dead_pid: int) -> None:
     nxt = Pair(tmp_path / "next", pair.session)
     (tmp_path / "next").mkdir()
     try:

@@ -301,6 +301,14 @@ class ShmRegion:
                 self.reclaimed_dead += 1  # sent before what the receiver got since
                 self._give(offset)
 
+    def reclaim(self) -> None:
+        """Take back now what would be taken back when full: released chunks, and
+        those of a dead receiver or lost with it."""
+        with self._lock:
+            if not self.closed:
+                self._drain()
+                self._scan()
+
     def refused_receiver(self) -> int:
         """The pid of a second receiver that was refused this region's chunks, or 0."""
         return 0 if self.closed else int(self._w[_W_REFUSED])

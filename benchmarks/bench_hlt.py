@@ -1,6 +1,8 @@
 """Trigger-farm figures: event-building rate, framework CPU share of the HLT chain.
 
     python benchmarks/bench_hlt.py [--quick] [--only build|cpu|replay|shm] [--rounds N]
+                                   [--shm-modes zmq,shm-copy,shm-zero,shm-batch]
+                                   [--shm-sizes 100000,...]
 
 build:  12 inputs (4 sender processes x 3 sources, real sockets) -> FragmentReceiver +
         EventBuilder in this process, for 64 B, 1 kB and 10 kB fragments, batched (256
@@ -366,6 +368,7 @@ def _shm_child(role: str, mode: str, size: int, n: int, address: str, out: str) 
     zero = mode in ("shm-zero", "shm-batch")
     batch = shm_batch(size) if mode == "shm-batch" else 1
     cpu0 = time.process_time()
+    main0 = time.thread_time()  # this thread: Python and its calls, not libzmq's I/O thread
     if role == "send":
         msgs = []
         for i in range(n):
@@ -380,29 +383,33 @@ def _shm_child(role: str, mode: str, size: int, n: int, address: str, out: str) 
             if len(msgs) == batch or i == n - 1:
                 ch.send_many(msgs) if batch > 1 else ch.send(msgs[0])
                 msgs = []
+        cpu_s, main_s = time.process_time() - cpu0, time.thread_time() - main0
         # a closing PUSH can lose its last messages (DESIGN.md): wait for the receiver
         deadline = time.monotonic() + 120
         while not os.path.exists(out) and time.monotonic() < deadline:
             time.sleep(0.01)
         Path(out + ".send").write_text(
-            json.dumps({"cpu_s": time.process_time() - cpu0, **_shm_counters(ch)})
+            json.dumps({"cpu_s": cpu_s, "main_s": main_s, **_shm_counters(ch)})
         )
     else:
         t0 = 0.0
         bad = 0
         got: list[Any] = []
         for i in range(n):
-            if not got:
-                if not ch.poll(20_000):
-                    raise SystemExit(f"receiver: only {i} of {n} messages ({ch!r})")
-                if batch > 1:
-                    got = ch.recv_many(views=True)[::-1]
-                else:
-                    got = [ch.recv(views=True) if zero else ch.recv()]
+            while not got:  # as the device's data loop: poll only when nothing is there
+                try:
+                    if batch > 1:
+                        got = ch.recv_many(zmq.NOBLOCK, views=True)[::-1]
+                    else:
+                        got = [ch.recv(zmq.NOBLOCK, views=True) if zero else ch.recv(zmq.NOBLOCK)]
+                except zmq.Again:
+                    if not ch.poll(20_000):
+                        raise SystemExit(f"receiver: only {i} of {n} messages ({ch!r})") from None
             msg = decode_message(got.pop())
             if i == 0:
                 t0 = time.monotonic()
                 cpu0 = time.process_time()
+                main0 = time.thread_time()
             frame = msg.payload[0]
             data = np.asarray(frame) if zero else np.frombuffer(frame, np.uint8)
             words = data[: size - size % 8].view(np.uint64)
@@ -417,6 +424,7 @@ def _shm_child(role: str, mode: str, size: int, n: int, address: str, out: str) 
                 {
                     "gb_per_s": (n - 1) * size / elapsed / 1e9,
                     "cpu_us_per_msg": (time.process_time() - cpu0) / (n - 1) * 1e6,
+                    "main_us_per_msg": (time.thread_time() - main0) / (n - 1) * 1e6,
                     "bad": bad,
                 }
             )
@@ -439,41 +447,38 @@ def shm_batch(size: int) -> int:
     return int(min(16, max(2, 4_000_000 // size)))
 
 
-def bench_shm(quick: bool, rounds: int = 0) -> None:
-    """The three modes side by side, alternating, ``rounds`` times per size (median)."""
+def bench_shm(
+    quick: bool, rounds: int = 0, modes: tuple[str, ...] = SHM_MODES, sizes: tuple[int, ...] = ()
+) -> None:
+    """The modes side by side, alternating, ``rounds`` times per size (median)."""
     rounds = rounds or (1 if quick else 3)
     print(
         "\ndevice channel, one hop, payload written by the sender and read by the receiver "
-        f"(GB/s at the receiver, median of {rounds}; CPU us per message, receiver and sender)"
+        f"(GB/s at the receiver, median of {rounds}); CPU us per message, all threads "
+        "(in parentheses: the main thread, i.e. Python and its calls, without libzmq's I/O "
+        "thread)"
     )
-    head = "".join(f"{m + ' GB/s':>15}" for m in SHM_MODES)
-    cpu_head = "CPU us/msg: rx zmq / copy / zero / batch, then tx"
-    print(f"{'payload':>8}{head}{'zero/zmq':>10}{'batch/zmq':>10}{'FairMQ':>8}   {cpu_head}")
-    for size in (100_000, 1_000_000, 10_000_000):
+    print(f"{'payload':>8}  {'mode':<10}{'GB/s':>7}{'vs zmq':>8}{'rx CPU us/msg':>18}{'tx':>14}")
+    for size in sizes or (100_000, 1_000_000, 10_000_000):
         n = max(20, int((250e6 if quick else 1.5e9) // size))
-        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in SHM_MODES}
+        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
         for r in range(rounds):
-            order = SHM_MODES if r % 2 == 0 else SHM_MODES[::-1]
-            for mode in order:
+            for mode in modes if r % 2 == 0 else modes[::-1]:
                 runs[mode].append(_shm_pair(mode, size, n))
-        med = {m: _median([x["gb_per_s"] for x in runs[m]]) for m in SHM_MODES}
-        cpu = {m: _median([x["cpu_us_per_msg"] for x in runs[m]]) for m in SHM_MODES}
-        tx_cpu = {m: _median([x["send"]["cpu_s"] / n * 1e6 for x in runs[m]]) for m in SHM_MODES}
-        cols = "".join(f"{med[m]:>15.2f}" for m in SHM_MODES)
-        fairmq = f"{FAIRMQ_GB_PER_S[size]:.1f}" if size in FAIRMQ_GB_PER_S else "-"
-        print(
-            f"{size / 1e6:>6.1f}MB{cols}{med['shm-zero'] / med['zmq']:>9.2f}x"
-            f"{med['shm-batch'] / med['zmq']:>9.2f}x{fairmq:>8}   "
-            + " / ".join(f"{cpu[m]:.0f}" for m in SHM_MODES)
-            + "   tx: "
-            + " / ".join(f"{tx_cpu[m]:.0f}" for m in SHM_MODES)
-        )
-        zero_tx = runs["shm-zero"][-1]["send"]
-        print(
-            f"{'':>8}  ({n} messages per run, shm-batch {shm_batch(size)} per send_many; "
-            f"shm-zero sender: {zero_tx['shm_zero_copy']} in place, {zero_tx['shm_copied']} "
-            "over ZeroMQ for lack of room)"
-        )
+        med = {m: _median([x["gb_per_s"] for x in runs[m]]) for m in modes}
+        for m in modes:
+            rx = _median([x["cpu_us_per_msg"] for x in runs[m]])
+            rx_main = _median([x["main_us_per_msg"] for x in runs[m]])
+            tx = _median([x["send"]["cpu_s"] / n * 1e6 for x in runs[m]])
+            tx_main = _median([x["send"]["main_s"] / n * 1e6 for x in runs[m]])
+            vs = f"{med[m] / med['zmq']:.2f}x" if "zmq" in med else "-"
+            print(
+                f"{size / 1e6:>6.1f}MB  {m:<10}{med[m]:>7.2f}{vs:>8}"
+                f"{rx:>11.0f} ({rx_main:>3.0f}){tx:>8.0f} ({tx_main:>3.0f})"
+            )
+        fairmq = FAIRMQ_GB_PER_S.get(size)
+        tail = f"FairMQ 1.10 shmem, one message per send: {fairmq} GB/s; " if fairmq else ""
+        print(f"{'':>10}({tail}{n} messages per run, shm-batch: {shm_batch(size)} per send_many)")
 
 
 def _median(xs: list[float]) -> float:
@@ -507,6 +512,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", choices=("build", "cpu", "replay", "shm"))
     ap.add_argument("--rounds", type=int, default=0, help="shm: alternated rounds per size")
+    ap.add_argument("--shm-modes", default=",".join(SHM_MODES), help="shm: modes, comma-separated")
+    ap.add_argument("--shm-sizes", default="", help="shm: payload bytes, comma-separated")
     a = ap.parse_args()
     print(
         f"bench_hlt {time.strftime('%Y-%m-%d %H:%M')} on {os.cpu_count()} cores "
@@ -519,7 +526,9 @@ def main() -> None:
     if a.only in (None, "replay"):
         bench_replay(a.quick)
     if a.only in (None, "shm"):
-        bench_shm(a.quick, a.rounds)
+        modes = tuple(a.shm_modes.split(","))
+        sizes = tuple(int(x) for x in a.shm_sizes.split(",") if x)
+        bench_shm(a.quick, a.rounds, modes, sizes)
 
 
 if __name__ == "__main__":

@@ -141,14 +141,13 @@ def recv(a: argparse.Namespace, ch: Any) -> None:
     got = 0
     ready: list[list[Any]] = []  # recv_many: the rest of a batch
     while a.count == 0 or got < a.count:
-        stopping = a.check_after and os.path.exists(a.check_after)
-        if stopping and not (a.drain and ready):
+        if a.check_after and os.path.exists(a.check_after):
             break
         views = a.views == "yes" or (a.views == "mixed" and got % 2 == 0)
         if not ready:
-            if not ch.poll(300 if stopping else 100):
-                if stopping:
-                    break  # --drain: nothing more came
+            if not ch.poll(100):
+                stats["frames_in"] = ch.shm_frames_in
+                write_json(a.stats, stats)  # idle: up to date
                 continue
             if a.many:
                 ready = ch.recv_many(views=views)[::-1]
@@ -159,7 +158,7 @@ def recv(a: argparse.Namespace, ch: Any) -> None:
         got += 1
         i = msg.header["i"]
         stats["gaps"] += i != last + 1
-        last = i
+        last = stats["last"] = i
         arrays, msgs = [], []
         for f in msg.payload:
             if isinstance(f, InMessage):
@@ -214,7 +213,6 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="send_many of N messages")
     ap.add_argument("--batch-stop", action="store_true", help="stop sending at --done")
     ap.add_argument("--many", action="store_true", help="receive with recv_many")
-    ap.add_argument("--drain", action="store_true", help="at --check-after, read what comes")
     a = ap.parse_args()
     kind, method = ("push", "connect") if a.role == "send" else ("pull", "bind")
     (cfg,) = parse_channel_config(

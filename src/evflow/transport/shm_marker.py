@@ -27,8 +27,9 @@ the region's descriptors are checked by the region reader.
 
 from __future__ import annotations
 
+import functools
 import struct
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from evflow.errors import ProtocolError
 
@@ -51,8 +52,9 @@ REGION, SOCKET, HEAP, INLINE = range(4)
 #: frames up to this size travel inside the marker
 INLINE_MAX_B = 1024
 #: bounds of one marker (a batch): a forged count never makes the receiver allocate more
-MAX_MESSAGES = 1 << 16
-MAX_FRAMES = 1 << 20
+#: (at most 2 MB of entries, a few MB of Python ints)
+MAX_MESSAGES = 1 << 14
+MAX_FRAMES = 1 << 16
 _HEAD = struct.Struct("<BBHIIIII")
 
 
@@ -60,8 +62,7 @@ def _pad8(n: int) -> int:
     return -n % 8
 
 
-@dataclass(frozen=True, slots=True)
-class Marker:
+class Marker(NamedTuple):
     """A checked marker: ``counts[i]`` frames of message i, ``entries`` flat (4 per frame)."""
 
     region: str
@@ -72,24 +73,25 @@ class Marker:
     n_region: int
 
 
+@functools.lru_cache(maxsize=256)
+def _layout(n_msgs: int, n_frames: int, n_name: int) -> struct.Struct:
+    """Everything but the inline bytes, in one struct (one pack or unpack per marker)."""
+    pads = f"{_pad8(n_name)}x{n_msgs}I{_pad8(4 * n_msgs)}x"
+    return struct.Struct(f"<BBHIIIII{n_name}s{pads}{4 * n_frames}Q")
+
+
 def pack_marker(
     region: bytes, counts: list[int], entries: list[int], inline: list[object]
 ) -> bytes:
     """The marker of one batch (``entries``: 4 ints per frame; ``inline``: the buffers
     of the INLINE frames, in order)."""
     n_msgs, n_frames = len(counts), len(entries) // 4
-    data = b"".join(inline)  # type: ignore[arg-type]  # buffers
-    return b"".join(
-        (
-            _HEAD.pack(TAG, VERSION, 0, n_msgs, n_frames, len(region), len(data), 0),
-            region,
-            bytes(_pad8(len(region))),
-            struct.pack(f"<{n_msgs}I", *counts),
-            bytes(_pad8(4 * n_msgs)),
-            struct.pack(f"<{len(entries)}Q", *entries),
-            data,
-        )
+    data = b"".join(inline) if inline else b""  # type: ignore[arg-type]  # buffers
+    layout = _layout(n_msgs, n_frames, len(region))
+    head = layout.pack(
+        TAG, VERSION, 0, n_msgs, n_frames, len(region), len(data), 0, region, *counts, *entries
     )
+    return head + data
 
 
 def unpack_marker(marker: bytes, n_socket: int) -> Marker:
@@ -101,31 +103,36 @@ def unpack_marker(marker: bytes, n_socket: int) -> Marker:
         raise ProtocolError(f"bad shared-memory marker: first byte {tag:#x}")
     if version != VERSION:
         raise ProtocolError(f"shared-memory marker version {version}, we speak {VERSION}")
-    if not 0 < n_msgs <= MAX_MESSAGES or n_frames > MAX_FRAMES:
-        raise ProtocolError(f"bad shared-memory marker: {n_msgs} messages, {n_frames} frames")
-    at_counts = _HEAD.size + n_name + _pad8(n_name)
-    at_entries = at_counts + 4 * n_msgs + _pad8(4 * n_msgs)
-    at_inline = at_entries + 32 * n_frames
-    if len(marker) != at_inline + n_inline:
+    if not 0 < n_msgs <= MAX_MESSAGES or n_frames > MAX_FRAMES or n_name > 255:
         raise ProtocolError(
-            f"bad shared-memory marker: {len(marker)} bytes, its counts say {at_inline + n_inline}"
+            f"bad shared-memory marker: {n_msgs} messages, {n_frames} frames, "
+            f"a region name of {n_name} bytes"
         )
-    counts = struct.unpack_from(f"<{n_msgs}I", marker, at_counts)
+    layout = _layout(n_msgs, n_frames, n_name)
+    if len(marker) != layout.size + n_inline:
+        raise ProtocolError(
+            f"bad shared-memory marker: {len(marker)} bytes, its counts say "
+            f"{layout.size + n_inline}"
+        )
+    fields = layout.unpack_from(marker)
+    counts = fields[9 : 9 + n_msgs]
     if sum(counts) != n_frames:
         raise ProtocolError(f"bad shared-memory marker: {sum(counts)} frames of {n_frames}")
-    entries = struct.unpack_from(f"<{4 * n_frames}Q", marker, at_entries)
+    entries = fields[9 + n_msgs :]
     kinds = entries[0::4]
     n_region = kinds.count(REGION)
-    if kinds.count(SOCKET) + kinds.count(HEAP) != n_socket:
-        raise ProtocolError(f"bad shared-memory marker: {n_socket} frames on the socket")
-    if n_region + n_socket + kinds.count(INLINE) != n_frames:
+    n_inline_frames = kinds.count(INLINE)
+    n_zmq = kinds.count(SOCKET) + kinds.count(HEAP)
+    if n_region + n_inline_frames + n_zmq != n_frames:
         raise ProtocolError("bad shared-memory marker: unknown frame kind")
-    if n_region + n_socket != n_frames:
+    if n_zmq != n_socket:
+        raise ProtocolError(f"bad shared-memory marker: {n_socket} frames on the socket")
+    if n_inline_frames:
         for i in range(0, len(entries), 4):
             if entries[i] == INLINE and entries[i + 1] + entries[i + 2] > n_inline:
                 raise ProtocolError("bad shared-memory marker: inline frame beyond its bytes")
     try:
-        region = marker[_HEAD.size : _HEAD.size + n_name].decode("ascii")
+        region = fields[8].decode("ascii")
     except UnicodeDecodeError:
         raise ProtocolError("bad shared-memory marker: region name not ASCII") from None
-    return Marker(region, counts, entries, marker, at_inline, n_region)
+    return Marker(region, counts, entries, marker, layout.size, n_region)

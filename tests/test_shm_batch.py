@@ -18,6 +18,7 @@ import zmq
 from evflow.errors import ConfigurationError
 from evflow.transport.channel import open_channel, parse_channel_config
 from evflow.transport.shm_channel import InMessage, ShmChannel
+from evflow.transport.shm_marker import INLINE, REGION, pack_marker
 from evflow.wire.messages import MsgType, decode_message, encode_message
 from shm_peer import rings, sizes_of
 from test_shm_zero_copy import Pair, finish, next_start_cleans
@@ -180,3 +181,54 @@ def test_a_second_receiver_is_refused_and_the_sender_says_so(ctx: Any, tmp_path:
         tx.close()
         for rx in rxs:
             rx.close()
+
+
+def test_mutated_batch_markers_never_crash_nor_touch_the_region(ctx: Any, tmp_path: Path) -> None:
+    """2000 markers of a genuine batch with random bytes changed, cut or appended, sent
+    raw: each is dropped and counted, or (a change that still makes sense, e.g. in an
+    inline frame) delivered; never an exception, and the held chunks stay held."""
+    addr = f"ipc://{tmp_path}/fuzz"
+    tx = _chan(ctx, "push", "bind", addr, "fuzz")
+    rx = _chan(ctx, "pull", "connect", addr, "fuzz")
+    try:
+        msgs = [tx.new_message(40 * KB) for _ in range(3)]
+        for i, m in enumerate(msgs):
+            m.array()[:] = i + 1
+        tx.send_many([encode_message(MsgType.EVENTS, {"i": i}, [m]) for i, m in enumerate(msgs)])
+        assert rx.poll(5000)
+        held = rx.recv_many(views=True)  # the chunks are HELD now: a replay must be refused
+        assert tx._region is not None and tx._region.in_use() == 3
+        region = tx._region.name.encode()
+        entries: list[int] = []
+        for j, m in enumerate(held):
+            got = m[2]
+            assert isinstance(got, InMessage) and got._slot is not None
+            entries += [INLINE, 2 * j, 1, 0, INLINE, 2 * j + 1, 1, 0]
+            entries += [REGION, got._slot.offset, got.nbytes, got._slot.gen]
+        genuine = pack_marker(region, [3, 3, 3], entries, [b"\x03", b"\x80"] * 3)
+        rng = np.random.default_rng(15)
+        bad = delivered = 0
+        for k in range(2000):
+            forged = bytearray(genuine)
+            for _ in range(int(rng.integers(1, 4))):
+                forged[int(rng.integers(0, len(forged)))] = int(rng.integers(0, 256))
+            if k % 10 == 0:
+                forged = forged[: int(rng.integers(0, len(forged)))]
+            elif k % 10 == 1:
+                forged += rng.bytes(int(rng.integers(1, 40)))
+            tx.socket.send(bytes(forged))
+            assert rx.poll(5000)
+            before = rx.shm_bad
+            for frames in rx.recv_many(views=True):
+                assert isinstance(frames, list)
+            bad += rx.shm_bad - before
+            delivered += rx.shm_bad == before
+        assert bad + delivered == 2000 and bad > 1900
+        for j, m in enumerate(held):  # untouched, still ours
+            assert (m[2].array() == j + 1).all()
+        assert tx._region.in_use() == 3
+        del held, m, got
+        assert tx._region.in_use() == 0
+    finally:
+        tx.close()
+        rx.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -16,10 +17,11 @@ import pytest
 import zmq
 
 from evflow.errors import ConfigurationError
+from evflow.runtime.device import Device, Origin
 from evflow.transport.channel import open_channel, parse_channel_config
 from evflow.transport.shm_channel import InMessage, ShmChannel
 from evflow.transport.shm_marker import INLINE, REGION, pack_marker
-from evflow.wire.messages import MsgType, decode_message, encode_message
+from evflow.wire.messages import Message, MsgType, decode_message, encode_message
 from shm_peer import rings, sizes_of
 from test_shm_zero_copy import Pair, finish, next_start_cleans
 
@@ -232,3 +234,40 @@ def test_mutated_batch_markers_never_crash_nor_touch_the_region(ctx: Any, tmp_pa
     finally:
         tx.close()
         rx.close()
+
+
+class _Collect(Device):
+    def init_task(self) -> None:
+        self.got: list[int] = []
+        self.on_data("data", self.handle, views=True)
+
+    def handle(self, msg: Message, origin: Origin) -> bool:
+        if msg.type is MsgType.END:
+            return False
+        self.got.append(msg.header["i"])
+        return True
+
+
+def test_the_data_loop_hands_over_a_batch_longer_than_one_drain(ctx: Any) -> None:
+    """300 messages and END in one ZeroMQ message: the data loop drains 256 per poll,
+    then must take the 45 still pending in the channel although the socket is quiet."""
+    (cfg,) = parse_channel_config(
+        "name=data,type=pull,method=bind,address=inproc://dl,transport=shm"
+    )
+    dev = _Collect("c", [cfg], context=ctx, session="dloop")
+    tx = _chan(ctx, "push", "connect", "inproc://dl", "dloop")
+    try:
+        batch = [encode_message(MsgType.EVENTS, {"i": i}, [b"x" * 40 * KB]) for i in range(300)]
+        tx.send_many([*batch, encode_message(MsgType.END, {"count": 300})])
+        runner = threading.Thread(target=dev.run)
+        runner.start()
+        runner.join(20)
+        hung = runner.is_alive()
+        if hung:  # let it end: a message on the socket wakes the loop
+            tx.send(encode_message(MsgType.END, {"count": 300}))
+            runner.join(20)
+        assert not hung, "the data loop left the rest of a batch in the channel"
+        assert dev.got == list(range(300))
+        assert tx._region is not None and tx._region.in_use() == 0
+    finally:
+        tx.close()

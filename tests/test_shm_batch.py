@@ -271,3 +271,26 @@ def test_the_data_loop_hands_over_a_batch_longer_than_one_drain(ctx: Any) -> Non
         assert tx._region is not None and tx._region.in_use() == 0
     finally:
         tx.close()
+
+
+def test_frames_of_any_buffer_type_arrive_as_their_bytes(ctx: Any, tmp_path: Path) -> None:
+    """Small (inline) and large (region) frames given as bytes, memoryviews, float
+    arrays and zmq.Frames: the receiver gets exactly their bytes."""
+    addr = f"ipc://{tmp_path}/types"
+    tx = _chan(ctx, "push", "bind", addr, "types")
+    rx = _chan(ctx, "pull", "connect", addr, "types")
+    try:
+        frames: list[Any] = []
+        for n in (3, 100, 50_000):  # inline, inline, region
+            values = np.arange(n, dtype=np.float64)
+            frames += [values, memoryview(values), zmq.Frame(values.tobytes()), values.tobytes()]
+        tx.send_many([frames, frames[::-1]])
+        assert rx.poll(5000)
+        got = rx.recv_many()
+        assert len(got) == 2
+        want = [memoryview(f).tobytes() if not isinstance(f, bytes) else f for f in frames]
+        assert [bytes(f) for f in got[0]] == want
+        assert [bytes(f) for f in got[1]] == want[::-1]
+    finally:
+        tx.close()
+        rx.close()

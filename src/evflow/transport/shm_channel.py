@@ -198,7 +198,8 @@ class ShmChannel(Channel):
                             out.append(heap)
                             continue
                         f = np.asarray(slot)  # another channel's buffer: copied like bytes
-                    size = f.nbytes if type(f) is memoryview else len(f)
+                    # bytes, not items: a frame may be an array of floats
+                    size = len(f) if type(f) is bytes else memoryview(f).nbytes
                     if size <= INLINE_MAX_B:
                         entries += (INLINE, inline_b, size, 0)
                         inline.append(f)

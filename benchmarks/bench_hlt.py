@@ -30,7 +30,8 @@ shm:    a device channel (push -> pull, two processes): zmq over ipc, shm with t
         fills a new buffer per message, the receiver reads every byte; GB/s at the
         receiver (as FairMQ's figure, which is one message per send: compare it with
         shm-zero; shm-batch is the HLT's answer). ``--only shm --quick`` takes well
-        under a minute.
+        under a minute. High-water marks: 4 ZeroMQ messages per side
+        (``EVFLOW_BENCH_SHM_HWM`` to change), ``--shm-batch N`` messages per batch.
 """
 
 from __future__ import annotations
@@ -360,9 +361,10 @@ def _shm_child(role: str, mode: str, size: int, n: int, address: str, out: str) 
     ctx: zmq.Context[object] = zmq.Context()
     kind, method = ("push", "connect") if role == "send" else ("pull", "bind")
     transport = "zmq" if mode == "zmq" else "shm"
+    hwm = int(os.environ.get("EVFLOW_BENCH_SHM_HWM", "4"))  # ZeroMQ messages queued per side
     (cfg,) = parse_channel_config(
         f"name=data,type={kind},method={method},address={address},transport={transport}"
-        f",sndBufSize=4,rcvBufSize=4,linger=-1,shmSize={max(64 << 20, 16 * size)}"
+        f",sndBufSize={hwm},rcvBufSize={hwm},linger=-1,shmSize={max(64 << 20, 16 * size)}"
     )
     ch = open_channel(ctx, cfg, "benchshm")
     zero = mode in ("shm-zero", "shm-batch")

@@ -150,6 +150,7 @@ class Hop:
         cfg = f"sndBufSize={hwm},rcvBufSize={hwm},rateLogging=0"
         sink = subprocess.Popen(
             [*self._in("h2"), *evflow, "sink", "--id", "sink", *common,
+             "--read-payload", "false",  # a hop's cost, as the raw loop: bytes unread
              "--stats-file", str(self.tmp / "sink.json"),
              "--channel-config", f"name=data,type=pull,method=bind,address={data},{cfg}{srv}",
              "--channel-config", f"name=data-ack,type=push,method=bind,address={ack}{srv}"]

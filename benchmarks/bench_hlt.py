@@ -1,6 +1,8 @@
 """Trigger-farm figures: event-building rate, framework CPU share of the HLT chain.
 
     python benchmarks/bench_hlt.py [--quick] [--only build|cpu|replay|shm] [--rounds N]
+                                   [--shm-modes zmq,shm-copy,shm-zero,shm-batch]
+                                   [--shm-sizes 100000,...]
 
 build:  12 inputs (4 sender processes x 3 sources, real sockets) -> FragmentReceiver +
         EventBuilder in this process, for 64 B, 1 kB and 10 kB fragments, batched (256
@@ -24,9 +26,13 @@ cpu:    replay device (4 streams; 1 kHz in ticks of ~32 events (auto), of 100 ms
 replay: ReplayInput at 1, 10, 50 kHz for 5 s each: achieved rate and worst lag.
 shm:    a device channel (push -> pull, two processes): zmq over ipc, shm with the
         copying send/recv, shm zero-copy (new_message filled in place, recv(views=True)),
-        alternated, for 100 kB, 1 MB, 10 MB payloads: the sender fills a new buffer per
-        message, the receiver reads every byte; GB/s at the receiver (as FairMQ's
-        figure). ``--only shm --quick`` takes well under a minute.
+        and shm zero-copy batched (the same buffers, send_many of B messages per ZeroMQ
+        message, recv_many), alternated, for 100 kB, 1 MB, 10 MB payloads: the sender
+        fills a new buffer per message, the receiver reads every byte; GB/s at the
+        receiver (as FairMQ's figure, which is one message per send: compare it with
+        shm-zero; shm-batch is the HLT's answer). ``--only shm --quick`` takes well
+        under a minute. High-water marks: 4 ZeroMQ messages per side
+        (``EVFLOW_BENCH_SHM_HWM`` to change), ``--shm-batch N`` messages per batch.
 """
 
 from __future__ import annotations
@@ -356,7 +362,8 @@ def _shm_child(role: str, mode: str, size: int, n: int, address: str, out: str) 
 
     ``mode``: ``zmq`` (transport zmq, ipc), ``shm-copy`` (transport shm, the copying
     ``send``/``recv``), ``shm-zero`` (transport shm, ``new_message`` filled in place and
-    ``recv(views=True)`` read in place).
+    ``recv(views=True)`` read in place), ``shm-batch`` (the same, ``send_many`` of
+    ``shm_batch(size)`` messages per ZeroMQ message and ``recv_many``).
     """
     from evflow.transport.channel import open_channel, parse_channel_config
     from evflow.wire.messages import MsgType, decode_message, encode_message
@@ -364,14 +371,18 @@ def _shm_child(role: str, mode: str, size: int, n: int, address: str, out: str) 
     ctx: zmq.Context[object] = zmq.Context()
     kind, method = ("push", "connect") if role == "send" else ("pull", "bind")
     transport = "zmq" if mode == "zmq" else "shm"
+    hwm = int(os.environ.get("EVFLOW_BENCH_SHM_HWM", "4"))  # ZeroMQ messages queued per side
     (cfg,) = parse_channel_config(
         f"name=data,type={kind},method={method},address={address},transport={transport}"
-        f",sndBufSize=4,rcvBufSize=4,linger=-1,shmSize={max(64 << 20, 16 * size)}"
+        f",sndBufSize={hwm},rcvBufSize={hwm},linger=-1,shmSize={max(64 << 20, 16 * size)}"
     )
     ch = open_channel(ctx, cfg, "benchshm")
-    zero = mode == "shm-zero"
+    zero = mode in ("shm-zero", "shm-batch")
+    batch = shm_batch(size) if mode == "shm-batch" else 1
     cpu0 = time.process_time()
+    main0 = time.thread_time()  # this thread: Python and its calls, not libzmq's I/O thread
     if role == "send":
+        msgs = []
         for i in range(n):
             if zero:
                 buf: Any = ch.new_message(size, wait_s=1.0)
@@ -380,24 +391,37 @@ def _shm_child(role: str, mode: str, size: int, n: int, address: str, out: str) 
                 payload = np.empty(size, np.uint8)
                 payload.fill(i & 255)  # written
                 buf = payload.data
-            ch.send(encode_message(MsgType.EVENTS, None, [buf]))
+            msgs.append(encode_message(MsgType.EVENTS, None, [buf]))
+            if len(msgs) == batch or i == n - 1:
+                ch.send_many(msgs) if batch > 1 else ch.send(msgs[0])
+                msgs = []
+        cpu_s, main_s = time.process_time() - cpu0, time.thread_time() - main0
         # a closing PUSH can lose its last messages (DESIGN.md): wait for the receiver
         deadline = time.monotonic() + 120
         while not os.path.exists(out) and time.monotonic() < deadline:
             time.sleep(0.01)
         Path(out + ".send").write_text(
-            json.dumps({"cpu_s": time.process_time() - cpu0, **_shm_counters(ch)})
+            json.dumps({"cpu_s": cpu_s, "main_s": main_s, **_shm_counters(ch)})
         )
     else:
         t0 = 0.0
         bad = 0
+        got: list[Any] = []
         for i in range(n):
-            if not ch.poll(20_000):
-                raise SystemExit(f"receiver: only {i} of {n} messages ({ch!r})")
-            msg = decode_message(ch.recv(views=True) if zero else ch.recv())
+            while not got:  # as the device's data loop: poll only when nothing is there
+                try:
+                    if batch > 1:
+                        got = ch.recv_many(zmq.NOBLOCK, views=True)[::-1]
+                    else:
+                        got = [ch.recv(zmq.NOBLOCK, views=True) if zero else ch.recv(zmq.NOBLOCK)]
+                except zmq.Again:
+                    if not ch.poll(20_000):
+                        raise SystemExit(f"receiver: only {i} of {n} messages ({ch!r})") from None
+            msg = decode_message(got.pop())
             if i == 0:
                 t0 = time.monotonic()
                 cpu0 = time.process_time()
+                main0 = time.thread_time()
             frame = msg.payload[0]
             data = np.asarray(frame) if zero else np.frombuffer(frame, np.uint8)
             words = data[: size - size % 8].view(np.uint64)
@@ -412,6 +436,7 @@ def _shm_child(role: str, mode: str, size: int, n: int, address: str, out: str) 
                 {
                     "gb_per_s": (n - 1) * size / elapsed / 1e9,
                     "cpu_us_per_msg": (time.process_time() - cpu0) / (n - 1) * 1e6,
+                    "main_us_per_msg": (time.thread_time() - main0) / (n - 1) * 1e6,
                     "bad": bad,
                 }
             )
@@ -424,42 +449,52 @@ def _shm_counters(ch: Any) -> dict[str, int]:
     return {k: getattr(ch, k, 0) for k in ("shm_frames_out", "shm_zero_copy", "shm_copied")}
 
 
-SHM_MODES = ("zmq", "shm-copy", "shm-zero")
+SHM_MODES = ("zmq", "shm-copy", "shm-zero", "shm-batch")
+#: FairMQ 1.10 shmem, one hop, payload written and read, one message per send (issue 15)
+FAIRMQ_GB_PER_S = {100_000: 5.8, 1_000_000: 7.9}
 
 
-def bench_shm(quick: bool, rounds: int = 0) -> None:
-    """The three modes side by side, alternating, ``rounds`` times per size (median)."""
+def shm_batch(size: int) -> int:
+    """Messages per ZeroMQ message in shm-batch mode (``EVFLOW_BENCH_SHM_BATCH`` or
+    ``--shm-batch`` sets it): about 1.6 MB per batch, 2 to 16 messages. Larger batches
+    of large messages lose more to caches (the sender writes past L2 before the
+    receiver reads) than they save in calls."""
+    fixed = int(os.environ.get("EVFLOW_BENCH_SHM_BATCH", "0"))
+    return fixed or max(2, min(16, 1_600_000 // size))
+
+
+def bench_shm(
+    quick: bool, rounds: int = 0, modes: tuple[str, ...] = SHM_MODES, sizes: tuple[int, ...] = ()
+) -> None:
+    """The modes side by side, alternating, ``rounds`` times per size (median)."""
     rounds = rounds or (1 if quick else 3)
     print(
         "\ndevice channel, one hop, payload written by the sender and read by the receiver "
-        f"(GB/s at the receiver, median of {rounds}; CPU us per message, receiver and sender)"
+        f"(GB/s at the receiver, median of {rounds}); CPU us per message, all threads "
+        "(in parentheses: the main thread, i.e. Python and its calls, without libzmq's I/O "
+        "thread)"
     )
-    head = "".join(f"{m + ' GB/s':>15}" for m in SHM_MODES)
-    cpu_head = "CPU us/msg: rx zmq / copy / zero, then tx"
-    print(f"{'payload':>8}{head}{'zero/zmq':>10}{'zero/copy':>10}   {cpu_head}")
-    for size in (100_000, 1_000_000, 10_000_000):
+    print(f"{'payload':>8}  {'mode':<10}{'GB/s':>7}{'vs zmq':>8}{'rx CPU us/msg':>18}{'tx':>14}")
+    for size in sizes or (100_000, 1_000_000, 10_000_000):
         n = max(20, int((250e6 if quick else 1.5e9) // size))
-        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in SHM_MODES}
+        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
         for r in range(rounds):
-            order = SHM_MODES if r % 2 == 0 else SHM_MODES[::-1]
-            for mode in order:
+            for mode in modes if r % 2 == 0 else modes[::-1]:
                 runs[mode].append(_shm_pair(mode, size, n))
-        med = {m: _median([x["gb_per_s"] for x in runs[m]]) for m in SHM_MODES}
-        cpu = {m: _median([x["cpu_us_per_msg"] for x in runs[m]]) for m in SHM_MODES}
-        tx_cpu = {m: _median([x["send"]["cpu_s"] / n * 1e6 for x in runs[m]]) for m in SHM_MODES}
-        cols = "".join(f"{med[m]:>15.2f}" for m in SHM_MODES)
-        print(
-            f"{size / 1e6:>6.1f}MB{cols}{med['shm-zero'] / med['zmq']:>9.2f}x"
-            f"{med['shm-zero'] / med['shm-copy']:>9.2f}x   "
-            + " / ".join(f"{cpu[m]:.0f}" for m in SHM_MODES)
-            + "   tx: "
-            + " / ".join(f"{tx_cpu[m]:.0f}" for m in SHM_MODES)
-        )
-        zero_tx = runs["shm-zero"][-1]["send"]
-        print(
-            f"{'':>8}  ({n} messages per run; shm-zero sender: {zero_tx['shm_zero_copy']} "
-            f"in place, {zero_tx['shm_copied']} over ZeroMQ for lack of room)"
-        )
+        med = {m: _median([x["gb_per_s"] for x in runs[m]]) for m in modes}
+        for m in modes:
+            rx = _median([x["cpu_us_per_msg"] for x in runs[m]])
+            rx_main = _median([x["main_us_per_msg"] for x in runs[m]])
+            tx = _median([x["send"]["cpu_s"] / n * 1e6 for x in runs[m]])
+            tx_main = _median([x["send"]["main_s"] / n * 1e6 for x in runs[m]])
+            vs = f"{med[m] / med['zmq']:.2f}x" if "zmq" in med else "-"
+            print(
+                f"{size / 1e6:>6.1f}MB  {m:<10}{med[m]:>7.2f}{vs:>8}"
+                f"{rx:>11.0f} ({rx_main:>3.0f}){tx:>8.0f} ({tx_main:>3.0f})"
+            )
+        fairmq = FAIRMQ_GB_PER_S.get(size)
+        tail = f"FairMQ 1.10 shmem, one message per send: {fairmq} GB/s; " if fairmq else ""
+        print(f"{'':>10}({tail}{n} messages per run, shm-batch: {shm_batch(size)} per send_many)")
 
 
 def _median(xs: list[float]) -> float:
@@ -493,6 +528,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", choices=("build", "cpu", "replay", "shm"))
     ap.add_argument("--rounds", type=int, default=0, help="shm: alternated rounds per size")
+    ap.add_argument("--shm-modes", default=",".join(SHM_MODES), help="shm: modes, comma-separated")
+    ap.add_argument("--shm-sizes", default="", help="shm: payload bytes, comma-separated")
+    ap.add_argument("--shm-batch", type=int, default=0, help="shm-batch: messages per send")
     a = ap.parse_args()
     print(
         f"bench_hlt {time.strftime('%Y-%m-%d %H:%M')} on {os.cpu_count()} cores "
@@ -505,7 +543,11 @@ def main() -> None:
     if a.only in (None, "replay"):
         bench_replay(a.quick)
     if a.only in (None, "shm"):
-        bench_shm(a.quick, a.rounds)
+        if a.shm_batch:  # the child processes read it too
+            os.environ["EVFLOW_BENCH_SHM_BATCH"] = str(a.shm_batch)
+        modes = tuple(a.shm_modes.split(","))
+        sizes = tuple(int(x) for x in a.shm_sizes.split(",") if x)
+        bench_shm(a.quick, a.rounds, modes, sizes)
 
 
 if __name__ == "__main__":

@@ -111,6 +111,7 @@ def run_evflow(transport: str, tmp: Path, n: int, size: int) -> tuple[float, flo
     cfg = f"sndBufSize={hwm},rcvBufSize={hwm},rateLogging=0"
     sink = subprocess.Popen(
         [*evflow, "sink", "--id", "sink", *common, "--stats-file", str(tmp / "sink.json"),
+         "--read-payload", "false",  # as the raw loop: the bytes are not read
          "--channel-config", f"name=data,type=pull,method=bind,address={data},{cfg}",
          "--channel-config", f"name=data-ack,type=push,method=bind,address={ack}"]
     )  # fmt: skip

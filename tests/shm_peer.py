@@ -5,7 +5,9 @@
 Message ``i`` carries ``{"i": i}`` and payload frames whose bytes are ``pattern(n, i)``;
 the receiver checks every byte, in order, and re-checks each view it held just before
 releasing it (a chunk reused while held would show there). Stats go to ``--stats``
-(JSON, rewritten every 20 messages and at the end).
+(JSON, rewritten every 20 messages and at the end). ``--batch N`` sends N messages
+per ``send_many``; ``--many`` receives with ``recv_many`` (else one ``recv`` at a time,
+the rest of a batch pending in the channel).
 """
 
 from __future__ import annotations
@@ -82,7 +84,8 @@ def send(a: argparse.Namespace, ch: Any) -> None:
     sizes = [int(s) for s in a.sizes.split(",")]
     stats: dict[str, int] = {"sent": 0, "heap": 0}
     i = 0
-    while a.count == 0 or i < a.count:
+    batch: list[list[Any]] = []
+    while (a.count == 0 or i < a.count) and not (a.batch_stop and os.path.exists(a.done)):
         frames: list[Any] = []
         zero = a.mode == "zero" or (a.mode == "mixed" and i % 3 != 0)
         for n in sizes_of(i, sizes):
@@ -93,10 +96,14 @@ def send(a: argparse.Namespace, ch: Any) -> None:
                 frames.append(msg)
             else:
                 frames.append(pattern(n, i).data)
-        ch.send(encode_message(MsgType.EVENTS, {"i": i}, frames))
+        batch.append(encode_message(MsgType.EVENTS, {"i": i}, frames))
         i += 1
+        if len(batch) < a.batch and i != a.count:
+            continue
+        ch.send_many(batch) if a.batch > 1 else ch.send(batch[0])
+        batch = []
         stats["sent"] = i
-        if i % 20 == 0 or i == a.count:
+        if i % 20 < a.batch or i == a.count:
             region = ch._region
             stats.update(
                 zero_copy=ch.shm_zero_copy,
@@ -109,11 +116,17 @@ def send(a: argparse.Namespace, ch: Any) -> None:
     deadline = time.monotonic() + 60  # a closing PUSH can lose its last messages
     while not os.path.exists(a.done) and time.monotonic() < deadline:
         time.sleep(0.01)
+    region = ch._region
+    if region is not None:  # every chunk back? (dead receivers' ones taken back first)
+        region.reclaim()
+        stats.update(in_use=region.in_use(), reclaimed_dead=region.reclaimed_dead)
+    write_json(a.stats, stats)
 
 
 def recv(a: argparse.Namespace, ch: Any) -> None:
     stats: dict[str, int] = dict.fromkeys(
-        ("received", "bad", "gaps", "in_region", "over_zmq", "held_ok", "held_bad"), 0
+        ("received", "bad", "gaps", "in_region", "over_zmq", "held_ok", "held_bad", "batches"),
+        0,
     )
     held: collections.deque[tuple[int, list[InMessage], list[np.ndarray]]] = collections.deque()
     last = -1
@@ -126,17 +139,26 @@ def recv(a: argparse.Namespace, ch: Any) -> None:
             m.release()
 
     got = 0
+    ready: list[list[Any]] = []  # recv_many: the rest of a batch
     while a.count == 0 or got < a.count:
         if a.check_after and os.path.exists(a.check_after):
             break
-        if not ch.poll(100):
-            continue
         views = a.views == "yes" or (a.views == "mixed" and got % 2 == 0)
-        msg = decode_message(ch.recv(views=views))
+        if not ready:
+            if not ch.poll(100):
+                stats["frames_in"] = ch.shm_frames_in
+                write_json(a.stats, stats)  # idle: up to date
+                continue
+            if a.many:
+                ready = ch.recv_many(views=views)[::-1]
+                stats["batches"] += len(ready) > 1
+            else:
+                ready = [ch.recv(views=views)]
+        msg = decode_message(ready.pop())
         got += 1
         i = msg.header["i"]
         stats["gaps"] += i != last + 1
-        last = i
+        last = stats["last"] = i
         arrays, msgs = [], []
         for f in msg.payload:
             if isinstance(f, InMessage):
@@ -159,11 +181,13 @@ def recv(a: argparse.Namespace, ch: Any) -> None:
         if got == 1 and a.ready:
             Path(a.ready).touch()
         if got % 20 == 0:
+            stats["frames_in"] = ch.shm_frames_in
             write_json(a.stats, stats)
         if a.delay_ms:
             time.sleep(a.delay_ms / 1000)
     while held:
         check_held(*held.popleft())
+    stats["frames_in"] = ch.shm_frames_in
     write_json(a.stats, stats)
     Path(a.done).touch()
 
@@ -186,6 +210,9 @@ def main() -> None:
     ap.add_argument("--ready", default="")
     ap.add_argument("--check-after", default="", help="stop when this file appears")
     ap.add_argument("--sndhwm", type=int, default=1000, help="and rcvBufSize")
+    ap.add_argument("--batch", type=int, default=1, help="send_many of N messages")
+    ap.add_argument("--batch-stop", action="store_true", help="stop sending at --done")
+    ap.add_argument("--many", action="store_true", help="receive with recv_many")
     a = ap.parse_args()
     kind, method = ("push", "connect") if a.role == "send" else ("pull", "bind")
     (cfg,) = parse_channel_config(

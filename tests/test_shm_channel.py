@@ -11,27 +11,29 @@ import sys
 import time
 from pathlib import Path
 
-import msgpack
+import numpy as np
 import pytest
 import zmq
 
 from evflow.errors import ConfigurationError
+from evflow.runtime.devices.sink import read_all
 from evflow.transport.channel import open_channel, parse_channel_config
 from evflow.transport.shm_channel import RING_PREFIX, ShmChannel, sweep_stale_rings
+from evflow.transport.shm_marker import INLINE, REGION, pack_marker
 from evflow.wire.messages import MsgType, decode_message, encode_message
 from shm_peer import pinned, rings
 
-MB = 1 << 20
+KB, MB = 1 << 10, 1 << 20
 
 
 def chan(kind: str, method: str, address: str, extra: str = "") -> str:
     return f"name=data,type={kind},method={method},address={address},transport=shm{extra}"
 
 
-def sink(session: str, stats: Path) -> subprocess.Popen[bytes]:
+def sink(session: str, stats: Path, *extra: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [
-            *(sys.executable, "-m", "evflow", "device", "sink", "--id", "sink"),
+            *(sys.executable, "-m", "evflow", "device", "sink", "--id", "sink", *extra),
             *("--session", session, "--stats-file", str(stats), "--severity", "warn"),
             *("--channel-config", chan("pull", "bind", "ipc://d")),
             *("--channel-config", "name=data-ack,type=push,method=bind,address=ipc://da"),
@@ -39,10 +41,12 @@ def sink(session: str, stats: Path) -> subprocess.Popen[bytes]:
     )
 
 
-def sampler(session: str, n: int, size: int = MB, zero: bool = False) -> subprocess.Popen[bytes]:
+def sampler(
+    session: str, n: int, size: int = MB, zero: bool = False, *extra: str
+) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [
-            *(sys.executable, "-m", "evflow", "device", "sampler", "--id", "sampler"),
+            *(sys.executable, "-m", "evflow", "device", "sampler", "--id", "sampler", *extra),
             *("--session", session, "--max-iterations", str(n), "--msg-size", str(size)),
             *("--zero-copy", "true" if zero else "false"),
             *("--severity", "warn", "--ack-timeout-s", "5"),
@@ -80,6 +84,43 @@ def clean_run(session: str, tmp: Path) -> dict[str, int]:
     assert shm["frames_in"] == 200 and shm["bad"] == 0
     assert stats["channels"]["data[0]"]["bytes_in"] >= 200 * MB
     return stats["sink"]
+
+
+@pytest.mark.parametrize("read", ["true", "false"])
+def test_batched_sampler_to_sink_every_message_counted_and_read(tmp_path: Path, read: str) -> None:
+    """``--batch 7``: 301 iterations of 7 messages of 100 kB, each ZeroMQ message a
+    batch; the sink's data loop hands every one over (the rest of a batch waits in the
+    channel: 256 per drain is not a multiple of 7), reads every byte unless told not
+    to, and names its rate for what it measured."""
+    session = f"shmbatch{read}"
+    s = sink(session, tmp_path / "k.json", "--read-payload", read)
+    p = sampler(session, 301, 100 * KB, True, "--batch", "7")
+    try:
+        assert p.wait(60) == 0 and s.wait(60) == 0
+    finally:
+        kill(s, p)
+    stats = json.loads((tmp_path / "k.json").read_text())
+    got, shm = stats["sink"], stats["channels"]["data[0]"]["shm"]
+    assert got["received"] == got["announced"] == 7 * 301 and got["ends"] == 1
+    assert got["payload_bytes"] == 7 * 301 * 100 * KB
+    assert shm["frames_in"] == 7 * 301 and shm["batches_in"] == 301 and shm["bad"] == 0
+    assert got["payload_read"] is (read == "true")
+    assert ("gb_per_s" in got) is (read == "true")
+    assert ("received_gb_per_s" in got) is (read == "false")
+    assert not rings()
+
+
+def test_the_sink_reads_every_byte() -> None:
+    data = np.random.default_rng(1).integers(0, 256, 1003, np.uint8)
+    want = int(np.bitwise_xor.reduce(data[:1000].view(np.uint64)))
+    for b in data[1000:].tolist():
+        want ^= b
+    assert want != 0
+    for frame in (data.tobytes(), memoryview(data.tobytes()), zmq.Frame(data.tobytes()), data):
+        assert read_all(frame) == want
+    changed = data.copy()
+    changed[1002] ^= 1  # the last byte counts too
+    assert read_all(changed) == want ^ 1
 
 
 @pytest.mark.parametrize("victim", ["sender", "receiver", "both"])
@@ -130,8 +171,9 @@ def test_full_ring_falls_back_to_copying_and_bad_markers_are_dropped(tmp_path: P
         assert rx.poll(5000) and bytes(decode_message(rx.recv()).payload[0]) == payload
         assert tx.shm_copied <= 5
         # a forged marker naming a foreign file: dropped as an unknown message, no crash
-        for entry in ([0, "/etc/passwd", 0, 10, 64], [0, f"{RING_PREFIX}1-other-x", 0, 1, 64]):
-            tx.socket.send_multipart([msgpack.packb([entry]), b"\x03", b"\x80", b""])
+        for name in ("/etc/passwd", f"{RING_PREFIX}1-other-x"):
+            entries = [INLINE, 0, 1, 0, INLINE, 1, 1, 0, REGION, 4096 * 17, 10, 64]
+            tx.socket.send(pack_marker(name.encode(), [3], entries, [b"\x03", b"\x80"]))
             assert rx.poll(5000)
             assert rx.recv()[0] == b"\x00"
         assert rx.shm_bad == 2

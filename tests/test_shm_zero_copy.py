@@ -23,6 +23,7 @@ import zmq
 
 from evflow.transport.channel import open_channel, parse_channel_config
 from evflow.transport.shm_channel import RING_PREFIX, InMessage, ShmChannel
+from evflow.transport.shm_marker import INLINE, REGION, SOCKET, pack_marker
 from evflow.transport.shm_region import DATA_OFF
 from evflow.wire.messages import MsgType, decode_message, encode_message
 from shm_peer import pinned, rings, sizes_of
@@ -157,7 +158,7 @@ def test_kill_9_of_either_side_while_views_are_held(pair: Pair, tmp_path: Path) 
     assert rx2.wait(30) == 0
     r2 = pair.stats("r2")
     assert r2["bad"] == r2["held_bad"] == 0 and r2["held_ok"] >= r2["in_region"] > 30
-    _next_start_cleans(pair, tmp_path, tx.pid)
+    next_start_cleans(pair, tmp_path, tx.pid)
 
 
 def test_kill_9_of_both_while_views_are_held(pair: Pair, tmp_path: Path) -> None:
@@ -170,10 +171,10 @@ def test_kill_9_of_both_while_views_are_held(pair: Pair, tmp_path: Path) -> None
         rx.wait(10)
         tx.wait(10)
         assert rings(tx.pid)
-    _next_start_cleans(pair, tmp_path, tx.pid)
+    next_start_cleans(pair, tmp_path, tx.pid)
 
 
-def _next_start_cleans(pair: Pair, tmp_path: Path, dead_pid: int) -> None:
+def next_start_cleans(pair: Pair, tmp_path: Path, dead_pid: int) -> None:
     nxt = Pair(tmp_path / "next", pair.session)
     (tmp_path / "next").mkdir()
     try:
@@ -217,6 +218,14 @@ def _recv(rx: ShmChannel) -> list[Any]:
     return rx.recv(views=True)
 
 
+def _region_marker(region: str, offset: int, nbytes: int, gen: int, twice: bool = False) -> bytes:
+    """A marker of one EVENTS message whose payload frame is a chunk of ``region``."""
+    entries = [INLINE, 0, 1, 0, INLINE, 1, 1, 0, REGION, offset, nbytes, gen]
+    if twice:
+        entries += [REGION, offset, nbytes, gen]
+    return pack_marker(region.encode(), [len(entries) // 4], entries, [b"\x03", b"\x80"])
+
+
 def test_forged_descriptors_are_refused_counted_and_harmless(channels: Any) -> None:
     tx, rx = channels
     msg = tx.new_message(1000)
@@ -230,31 +239,38 @@ def test_forged_descriptors_are_refused_counted_and_harmless(channels: Any) -> N
     at = held._slot.offset  # type: ignore[union-attr]
     name = region.name
     forged: list[tuple[Any, str]] = [
-        ([2, name, at, 1000, slot_gen], "not sent to us"),  # a replay of the held chunk
-        ([2, name, at, 1000, slot_gen + 1], "stale or forged"),  # wrong generation
-        ([2, name, at, 999, slot_gen], "stale or forged"),  # wrong length
-        ([2, name, at + 64, 1000, slot_gen], "stale or forged"),  # inside the chunk
-        ([2, name, at + 1, 1000, slot_gen], "no shared-memory chunk can be"),  # unaligned
-        ([2, name, 0, 100, 1], "no shared-memory chunk can be"),  # the region's header
-        ([2, name, 2 * MB - 64, 10**6, 1], "no shared-memory chunk can be"),  # beyond the end
-        ([2, name, 2**64 - 64, 1, 1], "no shared-memory chunk can be"),  # huge
-        ([2, name, -64, 1, 1], "bad shared-memory descriptor"),  # negative
-        ([2, name, "0", 1, 1], "bad shared-memory descriptor"),  # not an int
-        ([2, "../../etc/passwd", 0, 10, 1], "not one of this session"),  # no path tricks
-        ([2, f"{RING_PREFIX}1-other-x", DATA_OFF, 1, 1], "not one of this session"),
-        ([2, f"{RING_PREFIX}{os.getpid()}-forge-gone", DATA_OFF, 1, 1], "cannot open"),
-        ([5, name, at, 1000, slot_gen], "names frame 5"),  # no such frame
-        ([4, name, at, 1000, slot_gen], "names frame 4 of 4"),  # beyond the message
-        ([2, name], "bad shared-memory marker entry"),  # bad layout
+        (_region_marker(name, at, 1000, slot_gen), "not sent to us"),  # a replay of it
+        (_region_marker(name, at, 1000, slot_gen + 1), "stale or forged"),  # generation
+        (_region_marker(name, at, 999, slot_gen), "stale or forged"),  # wrong length
+        (_region_marker(name, at + 64, 1000, slot_gen), "stale or forged"),  # inside it
+        (_region_marker(name, at + 1, 1000, slot_gen), "no shared-memory chunk can be"),
+        (_region_marker(name, 0, 100, 1), "no shared-memory chunk can be"),  # the header
+        (_region_marker(name, 2 * MB - 64, 10**6, 1), "no shared-memory chunk can be"),
+        (_region_marker(name, 2**64 - 64, 1, 1), "no shared-memory chunk can be"),  # huge
+        (_region_marker(name, at, 1000, 0), "bad shared-memory descriptor"),  # generation 0
+        (_region_marker("../../etc/passwd", 0, 10, 1), "not one of this session"),
+        (_region_marker(f"{RING_PREFIX}1-other-x", DATA_OFF, 1, 1), "not one of this session"),
+        (_region_marker(f"{RING_PREFIX}{os.getpid()}-forge-gone", DATA_OFF, 1, 1), "cannot open"),
+        (_region_marker(name, at, 1000, slot_gen, twice=True), "twice"),  # one chunk twice
+        (_region_marker("\u00e9t\u00e9", DATA_OFF, 1, 1), "not ASCII"),
     ]
-    markers = [(msgpack.packb([e]), why) for e, why in forged]
+    ok = _region_marker(name, at, 1000, slot_gen)
+    markers = [*forged]
     markers += [
-        (b"\xc1garbage", "bad shared-memory marker"),
-        (msgpack.packb({"a": 1}), "not a list"),
-        (msgpack.packb([[2], [2]]), "names a frame twice"),
+        (b"\xc1garbage", "bad shared-memory marker"),  # too short
+        (msgpack.packb([[2, name, at, 1000, slot_gen]]), "first byte 0x91"),  # not a marker
+        (ok[:-1], "its counts say"),  # truncated
+        (ok + b"x", "its counts say"),  # trailing bytes
+        (ok[:1] + b"\x09" + ok[2:], "version 9"),
+        (pack_marker(b"", [], [], []), "0 messages"),
+        (pack_marker(b"", [3], [INLINE, 0, 0, 0], []), "3 frames of 1"),  # counts
+        (pack_marker(b"", [1], [7, 0, 0, 0], []), "unknown frame kind"),
+        (pack_marker(b"", [1], [INLINE, 0, 100, 0], []), "inline frame beyond its bytes"),
+        (pack_marker(b"", [1], [INLINE, 2**64 - 1, 1, 0], [b"x"]), "inline frame beyond"),
+        (pack_marker(b"", [1], [SOCKET, 0, 0, 0], []), "0 frames on the socket"),
     ]
     for marker, why in markers:
-        tx.socket.send_multipart([marker, b"\x03", b"\x80", b""])
+        tx.socket.send(marker)
         assert _recv(rx)[0] == b"\x00"  # dropped as an unknown message type
         assert why in rx.shm_last_bad
     assert rx.shm_bad == len(markers)
@@ -266,9 +282,7 @@ def test_forged_descriptors_are_refused_counted_and_harmless(channels: Any) -> N
     nxt = tx.new_message(1000)
     nxt.array()[:] = 6
     tx.send(encode_message(MsgType.EVENTS, None, [nxt]))
-    tx.socket.send_multipart(
-        [msgpack.packb([[2, name, at, 1000, slot_gen]]), b"\x03", b"\x80", b""]
-    )
+    tx.socket.send(_region_marker(name, at, 1000, slot_gen))
     got = decode_message(_recv(rx)).payload[0]
     assert (np.asarray(got) == 6).all()
     assert _recv(rx)[0] == b"\x00" and rx.shm_bad == len(markers) + 1
@@ -351,6 +365,7 @@ def test_a_failed_send_leaves_the_buffer_to_the_caller(tmp_path: Path) -> None:
         assert tx.bytes_out > 100 * KB and rx.bytes_in > 100 * KB
         assert tx.shm_metrics() == {
             **dict.fromkeys(("frames_in", "bad", "copied", "chunks_in_use", "reclaimed_dead"), 0),
+            **dict.fromkeys(("batches_in", "batches_out"), 0),
             "frames_out": 1,
             "zero_copy": 1,
         }

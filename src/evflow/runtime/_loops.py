@@ -62,17 +62,26 @@ def conditional_loop(dev: Device) -> None:
 
 
 def send_when_ready(
-    dev: Device, ch: Channel, frames: Sequence[Any], timeout_s: float | None = None
+    dev: Device,
+    ch: Channel,
+    frames: Sequence[Any],
+    timeout_s: float | None = None,
+    *,
+    many: bool = False,
 ) -> bool:
     """Send one message on ``ch``, waiting while no peer can take it (none connected
     yet, or its queue is at the high-water mark) with the timers going; False, and
     nothing sent, when a stop is requested (``timeout_s`` None) or after ``timeout_s``.
 
+    ``many``: ``frames`` is a list of messages, sent with ``ch.send_many`` (which must
+    be all or none: a shm channel).
+
     A blocking send to a peer that never came would otherwise never return, and the
     device would ignore every stop request (a SIGINT only sets a flag).
     """
+    send = ch.send_many if many else ch.send
     try:
-        ch.send(frames, zmq.NOBLOCK)  # the common case: one call, no poll
+        send(frames, zmq.NOBLOCK)  # the common case: one call, no poll
         return True
     except zmq.Again:
         pass  # (libzmq takes a multipart message whole or not at all)
@@ -89,7 +98,7 @@ def send_when_ready(
         dev._tick()
         if ch.socket.poll(wait_ms, zmq.POLLOUT):
             try:
-                ch.send(frames, zmq.NOBLOCK)
+                send(frames, zmq.NOBLOCK)
                 return True
             except zmq.Again:
                 continue  # another sender took the room first
@@ -122,9 +131,15 @@ def data_loop(dev: Device) -> None:
             targets[ch.socket] = (ch, handler, dev.bad_messages[ch.label], Origin(ch), views)
     limit = dev.max_iterations
     noblock = zmq.NOBLOCK
+    # a shm channel keeps the rest of a batch (send_many) after a recv: the socket has
+    # nothing more to say about those messages, so they are looked for here
+    sockets = list(targets)
     while not dev._loop_stop:
         dev._tick()
-        for sock, _ in poller.poll(POLL_INTERVAL_MS):
+        waiting = [s for s in sockets if targets[s][0].pending]
+        ready = [s for s, _ in poller.poll(0 if waiting else POLL_INTERVAL_MS)]
+        ready += [s for s in waiting if s not in ready]
+        for sock in ready:
             ch, handler, bad, origin, views = targets[sock]
             router = ch.type == "router"
             decode = raw_message if ch.raw else bad.decode  # raw: FairMQ's bare frames

@@ -153,6 +153,24 @@ class Channel:
         self.messages_out += 1
         self.bytes_out += nbytes
 
+    def send_many(self, messages: Sequence[Sequence[Any]], flags: int = 0) -> None:
+        """Send several messages. On a ``transport=shm`` channel they go in one ZeroMQ
+        message, all or none; here one after the other, so with ``zmq.NOBLOCK`` a
+        ``zmq.Again`` may come after the first ones went (block, or send one by one)."""
+        for frames in messages:
+            self.send(frames, flags)
+
+    @property
+    def pending(self) -> int:
+        """Messages received already that :meth:`recv` hands out next without asking
+        the socket (the rest of a shm batch; always 0 here)."""
+        return 0
+
+    def recv_many(self, flags: int = 0, *, views: bool = False) -> list[list[Any]]:
+        """The messages of the next ZeroMQ message: several after a shm ``send_many``,
+        else one."""
+        return [self.recv(flags, views=views)]
+
     def recv(self, flags: int = 0, *, views: bool = False) -> list[Any]:
         """Receive one multipart message as a list of frames.
 

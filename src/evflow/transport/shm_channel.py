@@ -1,12 +1,10 @@
 """Device channels with ``transport = "shm"``: large frames through shared memory.
 
 The sending channel owns a region (:mod:`evflow.transport.shm_region`); only a
-descriptor crosses ZeroMQ, in a first *marker* frame (msgpack, one entry per frame
-that is not on the socket; an empty marker frame when there is none):
-
-- ``[index, region, offset, length, generation]``: the frame is a chunk of the region;
-- ``[index]``: the frame is an :class:`~evflow.transport.shm_message.OutMessage` that
-  did not fit in the region and came over ZeroMQ (so ``recv(views=True)`` wraps it too).
+*marker* crosses ZeroMQ (:mod:`evflow.transport.shm_marker`): per frame, a descriptor
+of its chunk in the region, the frame itself when small (inline), or a pointer to one
+of the ZeroMQ frames that follow (a frame too small for the region, or a
+``new_message`` buffer that did not fit).
 
 Two ways to send. Zero-copy (as FairMQ): ``msg = channel.new_message(size)`` gives a
 buffer in the region, the sender fills it in place and sends it among its frames;
@@ -16,16 +14,28 @@ and the chunk goes back to the sender when it is released. Copying (the API ever
 device already uses): ``send`` copies a frame of ``SHM_MIN_FRAME_B`` bytes or more
 into a chunk; ``recv()`` copies it out and releases the chunk at once.
 
-- One sender, one consumer per region: ``push``/``pull``/``pair`` channels with one peer.
+Batches (as the ALICE HLT announced several events in one message):
+``send_many(messages)`` sends several messages in one ZeroMQ message, one marker for
+all (all or none: with ``NOBLOCK``, ``zmq.Again`` and nothing sent);
+``recv_many()`` returns the messages of the next ZeroMQ message (or those still
+pending), ``recv()`` one at a time: the rest of a batch waits in the channel
+(``pending``; ``poll`` says True while there are any). A receiver that polls the raw
+socket must look at ``pending`` too (the device's data loop does).
+
+- One sender, one consumer per region: ``push``/``pull``/``pair`` channels with one
+  peer. A second receiver is refused (it drops what it gets, counted in ``shm_bad``,
+  :class:`~evflow.transport.shm_region.SecondReceiverError` logged) and the sender's
+  next ``send`` raises ConfigurationError.
 - A full region (a slow receiver, views held): ``new_message`` waits up to ``wait_s``
   (back-pressure), then gives a heap buffer that goes over ZeroMQ; ``send`` of a large
   frame sends it over ZeroMQ (counted, ``shm_copied``). Never a block beyond that and
   ZeroMQ's own high-water mark, never a deadlock, and a chunk a live receiver holds
   is never reused.
-- What arrives is checked: the marker is msgpack with a fixed layout, the region must
-  be an evflow region of this session, the chunk must lie in it, carry the generation
-  and length of the descriptor and be in state SENT. Anything else is dropped and
-  counted (``shm_bad``), never a crash.
+- What arrives is checked: the marker's layout and counts, the region must be an
+  evflow region of this session, each chunk must lie in it, carry the generation and
+  length of its descriptor and be in state SENT. Anything else: the whole ZeroMQ
+  message is dropped, nothing in the region changes, and it is counted (``shm_bad``),
+  never a crash.
 """
 
 from __future__ import annotations
@@ -33,20 +43,31 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import numpy as np
 
 from evflow.errors import ConfigurationError, ProtocolError
 from evflow.transport.channel import Channel
+from evflow.transport.shm_marker import (
+    HEAP,
+    INLINE,
+    INLINE_MAX_B,
+    MAX_MESSAGES,
+    REGION,
+    SOCKET,
+    pack_marker,
+    unpack_marker,
+)
 from evflow.transport.shm_message import InMessage, OutMessage
 from evflow.transport.shm_region import (
     _NAME,
     RING_PREFIX,
     RegionReader,
+    SecondReceiverError,
     ShmRegion,
     Slot,
     ring_name,
@@ -81,16 +102,19 @@ class ShmChannel(Channel):
 
     def __init__(self, *args: Any, session: str = "default", **kw: Any) -> None:
         super().__init__(*args, **kw)
-        self._copy_frames = 3  # marker, type, header as bytes
+        self._copy_frames = 1  # the marker as bytes; the rest are large frames
         self._session = session
         self._region: ShmRegion | None = None
         self._region_failed = False
         self._region_lock = threading.Lock()
         self._reader: RegionReader | None = None
+        self._pending: deque[list[Any]] = deque()  # the rest of a batch recv() took
         self.shm_frames_out = 0  # frames sent as descriptors (zero-copy or copied in)
         self.shm_zero_copy = 0  # of those, new_message() buffers sent in place
         self.shm_copied = 0  # large frames sent over ZeroMQ: the region was full
         self.shm_frames_in = 0
+        self.shm_batches_out = 0  # ZeroMQ messages of more than one message
+        self.shm_batches_in = 0
         self.shm_bad = 0
         self.shm_last_bad = ""  # why the last bad message was dropped
 
@@ -131,43 +155,71 @@ class ShmChannel(Channel):
         return OutMessage(size, slot)
 
     def send(self, frames: Sequence[Any], flags: int = 0) -> None:
+        """Send one message (a marker frame and the frames not in the region)."""
+        self.send_many((frames,), flags)
+
+    def send_many(self, messages: Sequence[Sequence[Any]], flags: int = 0) -> None:
+        """Send several messages in one ZeroMQ message (one marker for all of them).
+
+        All or none: if the send fails (``zmq.Again`` with ``NOBLOCK``), nothing was
+        sent and every ``OutMessage`` among the frames is the caller's again.
+        """
+        if not 0 < len(messages) <= MAX_MESSAGES:
+            raise ValueError(f"send_many takes 1 to {MAX_MESSAGES} messages, not {len(messages)}")
         region = self._get_region()
-        entries: list[list[Any]] = []
+        if region is not None and region.refused_receiver():
+            raise ConfigurationError(
+                f"channel {self.label}: a second receiver (pid {region.refused_receiver()}) "
+                "got this shm channel's messages and refused them: a shm channel has one "
+                "receiver per sender (push to one pull; give each receiver its own channel)"
+            )
+        counts: list[int] = []
+        entries: list[int] = []
+        inline: list[Any] = []
         out: list[Any] = [b""]
         taken: list[tuple[OutMessage, Slot | None, Any]] = []
         copies: list[Slot] = []  # chunks the frames were copied into
-        placed = zero = copied = region_b = 0
+        inline_b = placed = zero = copied = region_b = 0
         try:
-            for i, f in enumerate(frames):
-                if type(f) is OutMessage:
-                    slot, heap = f.take()
-                    taken.append((f, slot, heap))
-                    if slot is not None and region is not None and slot._owner is region:
-                        region.mark_sent(slot)
-                        entries.append([i, region.name, slot.offset, slot.nbytes, slot.gen])
-                        zero += 1
-                        region_b += slot.nbytes
+            for frames in messages:
+                counts.append(len(frames))
+                for f in frames:
+                    if type(f) is OutMessage:
+                        slot, heap = f.take()
+                        taken.append((f, slot, heap))
+                        if slot is not None and region is not None and slot._owner is region:
+                            region.mark_sent(slot)
+                            entries += (REGION, slot.offset, slot.nbytes, slot.gen)
+                            zero += 1
+                            region_b += slot.nbytes
+                            continue
+                        if slot is None:  # a heap buffer: over ZeroMQ, wrapped on arrival
+                            entries += (HEAP, 0, 0, 0)
+                            out.append(heap)
+                            continue
+                        f = np.asarray(slot)  # another channel's buffer: copied like bytes
+                    # bytes, not items: a frame may be an array of floats
+                    size = len(f) if type(f) is bytes else memoryview(f).nbytes
+                    if size <= INLINE_MAX_B:
+                        entries += (INLINE, inline_b, size, 0)
+                        inline.append(f)
+                        inline_b += size
                         continue
-                    if slot is None:  # a heap buffer: over ZeroMQ, wrapped on arrival
-                        entries.append([i])
-                        out.append(heap)
-                        continue
-                    f = np.asarray(slot)  # another channel's buffer: copied like bytes
-                size = f.nbytes if type(f) is memoryview else len(f)
-                if region is not None and size >= SHM_MIN_FRAME_B:
-                    slot = region.allocate(size)
-                    if slot is not None:
-                        np.asarray(slot)[:] = np.frombuffer(f, np.uint8)  # the one copy in
-                        region.mark_sent(slot)
-                        copies.append(slot)
-                        entries.append([i, region.name, slot.offset, size, slot.gen])
-                        placed += 1
-                        region_b += size
-                        continue
-                    copied += 1
-                out.append(f)
-            if entries:
-                out[0] = msgpack.packb(entries)
+                    if region is not None and size >= SHM_MIN_FRAME_B:
+                        slot = region.allocate(size)
+                        if slot is not None:
+                            np.asarray(slot)[:] = np.frombuffer(f, np.uint8)  # the one copy in
+                            region.mark_sent(slot)
+                            copies.append(slot)
+                            entries += (REGION, slot.offset, size, slot.gen)
+                            placed += 1
+                            region_b += size
+                            continue
+                        copied += 1
+                    entries += (SOCKET, 0, 0, 0)
+                    out.append(f)
+            name = region.name.encode() if region is not None and (zero or placed) else b""
+            out[0] = pack_marker(name, counts, entries, inline)
             super().send(out, flags)
         except BaseException:
             for slot in copies:  # not sent: free again when dropped
@@ -177,27 +229,55 @@ class ShmChannel(Channel):
                     region.unsend(slot)
                 msg._slot, msg._heap = slot, heap
             raise
+        self.messages_out += len(messages) - 1  # Channel.send counted one
+        self.shm_batches_out += len(messages) > 1
         self.shm_frames_out += placed + zero
         self.shm_zero_copy += zero
         self.shm_copied += copied
         self.bytes_out += region_b  # the payload, not only the descriptors on the socket
 
     # --- receiving -------------------------------------------------------------------
+    @property
+    def pending(self) -> int:
+        """Messages of a batch received already, that ``recv`` hands out next."""
+        return len(self._pending)
+
+    def poll(self, timeout_ms: int) -> bool:
+        return bool(self._pending) or super().poll(timeout_ms)
+
     def recv(self, flags: int = 0, *, views: bool = False) -> list[Any]:
         """One message; frames that came through the region are copied out as bytes,
         or with ``views=True`` handed over in place as :class:`InMessage` objects."""
-        frames = super().recv(flags)
-        marker, rest = frames[0], frames[1:]
-        if not len(marker):
-            return rest
+        if self._pending:
+            return self._unpend(views)
+        batch = self._recv_batch(flags)
+        if len(batch) > 1:
+            self._pending.extend(batch[1:])
+        return _as_asked(batch[0], views)
+
+    def recv_many(self, flags: int = 0, *, views: bool = False) -> list[list[Any]]:
+        """The messages still pending, or else those of the next ZeroMQ message (one
+        message, or a batch from ``send_many``), in order."""
+        if self._pending:
+            return [self._unpend(views) for _ in range(len(self._pending))]
+        return [_as_asked(m, views) for m in self._recv_batch(flags)]
+
+    def _unpend(self, views: bool) -> list[Any]:
+        return _as_asked(self._pending.popleft(), views)
+
+    def _recv_batch(self, flags: int) -> list[list[Any]]:
+        """The messages of one ZeroMQ message; region and heap frames as InMessage."""
+        frames = super().recv(flags)  # counts one message
         if self._reader is None:
             self._reader = RegionReader(self._session)
         try:
-            resolved = self._resolve(bytes(marker), rest, views)
+            batch = self._resolve(frames[0], frames[1:])
         except ProtocolError as exc:
             self.shm_bad += 1
             self.shm_last_bad = str(exc)
-            if self.shm_bad == 1 or self.shm_bad % 1000 == 0:
+            if isinstance(exc, SecondReceiverError) and self.shm_bad == 1:
+                log.error("channel %s: %s", self.label, self.shm_last_bad)
+            elif self.shm_bad == 1 or self.shm_bad % 1000 == 0:
                 # the text, not the exception: a kept log record must not keep its frames
                 # (and the mappings they name) alive
                 log.warning(
@@ -206,51 +286,51 @@ class ShmChannel(Channel):
                     self.shm_bad,
                     self.shm_last_bad,
                 )
-            return list(_DROPPED)
-        return resolved
+            return [list(_DROPPED)]
+        self.messages_in += len(batch) - 1
+        self.shm_batches_in += len(batch) > 1
+        return batch
 
-    def _resolve(self, marker: bytes, frames: list[Any], views: bool) -> list[Any]:
-        """The message's frames in order: those in the region (not on the socket) put
-        back at their index, in place or copied out."""
-        try:
-            entries = msgpack.unpackb(marker)
-        except Exception as exc:
-            raise ProtocolError(f"bad shared-memory marker: {exc}") from None
-        if not isinstance(entries, list):
-            raise ProtocolError("bad shared-memory marker: not a list of frame entries")
-        for entry in entries:
-            if not isinstance(entry, list) or len(entry) not in (1, 5):
-                raise ProtocolError("bad shared-memory marker entry")
-        total = len(frames) + sum(len(e) == 5 for e in entries)
-        indices = [e[0] for e in entries]
-        for index in indices:
-            if type(index) is not int or not 0 <= index < total:
-                raise ProtocolError(f"shared-memory marker names frame {index!r} of {total}")
-        if len(set(indices)) != len(indices):
-            raise ProtocolError("shared-memory marker names a frame twice")
-        reader = self._reader
-        assert reader is not None
-        out: list[Any] = [None] * total
-        region_b = 0
-        for entry in entries:
-            if len(entry) == 5:
-                slot = reader.claim(*entry[1:])
-                region_b += slot.nbytes
-                out[entry[0]] = (
-                    InMessage(slot.nbytes, slot) if views else np.asarray(slot).tobytes()
-                )  # in place, or the one copy out
-        rest = iter(frames)
-        for i, f in enumerate(out):
-            if f is None:
-                out[i] = next(rest)
-        if views:
-            for entry in entries:
-                if len(entry) == 1:  # a heap buffer that came over ZeroMQ
-                    f = out[entry[0]]
-                    out[entry[0]] = InMessage(len(f), frame=f)
-        self.shm_frames_in += total - len(frames)
+    def _resolve(self, marker: bytes, frames: list[Any]) -> list[list[Any]]:
+        """The messages a marker describes, their frames put together in order."""
+        m = unpack_marker(marker, len(frames))
+        entries = m.entries
+        slots: list[Slot] = []
+        if m.n_region:
+            reader = self._reader
+            assert reader is not None
+            descs = [
+                (entries[i + 1], entries[i + 2], entries[i + 3])
+                for i in range(0, len(entries), 4)
+                if entries[i] == REGION
+            ]
+            slots = reader.claim_all(m.region, descs)  # all checked, then all claimed
+        raw, base = m.inline, m.inline_at
+        next_slot = iter(slots).__next__
+        next_frame = iter(frames).__next__
+        batch: list[list[Any]] = []
+        i = region_b = 0
+        for count in m.counts:
+            msg: list[Any] = []
+            for _ in range(count):
+                kind = entries[i]
+                if kind == INLINE:
+                    at = base + entries[i + 1]
+                    msg.append(raw[at : at + entries[i + 2]])
+                elif kind == REGION:
+                    slot = next_slot()
+                    region_b += slot.nbytes
+                    msg.append(InMessage(slot.nbytes, slot))
+                elif kind == SOCKET:
+                    msg.append(next_frame())
+                else:  # HEAP: a new_message() buffer that came over ZeroMQ
+                    f = next_frame()
+                    msg.append(InMessage(len(f), frame=f))
+                i += 4
+            batch.append(msg)
+        self.shm_frames_in += len(slots)
         self.bytes_in += region_b
-        return out
+        return batch
 
     def shm_metrics(self) -> dict[str, int]:
         """The shared-memory counters (in the device's metrics, per channel)."""
@@ -260,6 +340,8 @@ class ShmChannel(Channel):
             "zero_copy": self.shm_zero_copy,
             "copied": self.shm_copied,
             "frames_in": self.shm_frames_in,
+            "batches_out": self.shm_batches_out,
+            "batches_in": self.shm_batches_in,
             "bad": self.shm_bad,
             "chunks_in_use": region.in_use() if region is not None else 0,
             "reclaimed_dead": region.reclaimed_dead if region is not None else 0,
@@ -267,8 +349,21 @@ class ShmChannel(Channel):
 
     def close(self, linger_ms: int | None = None) -> None:
         super().close(linger_ms)
+        self._pending.clear()  # their chunks go back as they are dropped
         with self._region_lock:
             if self._region is not None:
                 self._region.close()
         if self._reader is not None:
             self._reader.close()
+
+
+def _as_asked(msg: list[Any], views: bool) -> list[Any]:
+    """``views=False``: region frames copied out as bytes (the chunk released at once),
+    heap buffers as the ZeroMQ frames they came in."""
+    if views:
+        return msg
+    for i, f in enumerate(msg):
+        if type(f) is InMessage:
+            msg[i] = f.tobytes() if f._slot is not None else f._frame
+            f.release()
+    return msg

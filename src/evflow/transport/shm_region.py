@@ -8,7 +8,8 @@ fit, :mod:`evflow.transport.freelist`, as the path engine's arena); the receiver
 and reads the chunks in place. Layout, all words u64 little-endian::
 
     0     magic, file size, version, release-queue write count (receiver),
-          release-queue read count (sender), highest send sequence claimed (receiver)
+          release-queue read count (sender), highest send sequence claimed (receiver),
+          pid of a second receiver that was refused (that receiver)
     4096  release queue: QUEUE_N chunk offsets written by the receiver
     DATA  chunks: a 64-byte header (generation, state, length, holder pid, send
           sequence) and the data, 64-byte aligned
@@ -20,6 +21,12 @@ The sender takes a chunk back only when it is RELEASED, or HELD by a process tha
 longer exists, or SENT before a later chunk the receiver claimed (one FIFO pipe: that
 message was lost with a dead receiver): a chunk a live receiver holds is never reused.
 
+One receiver per region: the receiver holds an exclusive ``flock`` on the region's
+file while it maps it (the kernel drops it when the process dies, so a receiver started
+after a ``kill -9`` takes over). A second receiver (two PULL peers of one PUSH) gets
+:class:`SecondReceiverError` for every message naming the region, and writes its pid
+in the header; the sender's next ``send`` then raises a ConfigurationError.
+
 Cleanup: the sender removes its region when the channel closes; a region whose owner
 died (``kill -9``) is removed by the next region made or mapped on this host (the
 owner's pid is in the name, ``/proc/<pid>`` tells if it lives). Mappings stay valid
@@ -29,6 +36,7 @@ after the file is removed: the pages go when the last view of them goes.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import mmap
 import os
@@ -46,6 +54,7 @@ __all__ = [
     "DATA_OFF",
     "RING_PREFIX",
     "RegionReader",
+    "SecondReceiverError",
     "ShmRegion",
     "Slot",
     "ring_name",
@@ -57,13 +66,13 @@ log = logging.getLogger("evflow.transport")
 SHM_DIR = "/dev/shm"
 RING_PREFIX = "evflow-dc-"
 MAGIC = 0x31305243_44465645  # "EVFDCR01"
-VERSION = 2
+VERSION = 3
 ALIGN_B = 64
 QUEUE_OFF = 4096
 QUEUE_N = 8192
 DATA_OFF = QUEUE_OFF + 8 * QUEUE_N
 # header words
-_W_MAGIC, _W_SIZE, _W_VERSION, _W_RQ_W, _W_RQ_R, _W_CLAIMED = range(6)
+_W_MAGIC, _W_SIZE, _W_VERSION, _W_RQ_W, _W_RQ_R, _W_CLAIMED, _W_REFUSED = range(7)
 # chunk header words (relative to the chunk's first word)
 _C_GEN, _C_STATE, _C_LEN, _C_HOLDER, _C_SEQ = range(5)
 FREE, FILLING, SENT, HELD, RELEASED = range(5)
@@ -143,6 +152,10 @@ class Slot:
         if owner is not None:
             with contextlib.suppress(Exception):  # e.g. at interpreter exit
                 owner.slot_gone(self)
+
+
+class SecondReceiverError(ProtocolError):
+    """A receiver got descriptors of a region that another live receiver consumes."""
 
 
 class ShmRegion:
@@ -288,6 +301,18 @@ class ShmRegion:
                 self.reclaimed_dead += 1  # sent before what the receiver got since
                 self._give(offset)
 
+    def reclaim(self) -> None:
+        """Take back now what would be taken back when full: released chunks, and
+        those of a dead receiver or lost with it."""
+        with self._lock:
+            if not self.closed:
+                self._drain()
+                self._scan()
+
+    def refused_receiver(self) -> int:
+        """The pid of a second receiver that was refused this region's chunks, or 0."""
+        return 0 if self.closed else int(self._w[_W_REFUSED])
+
     def in_use(self) -> int:
         """Chunks not free (filling, sent, held, or released but not yet taken back)."""
         with self._lock:
@@ -317,6 +342,7 @@ class _Mapping:
         self.address: int = self.keep.__array_interface__["data"][0]
         self.lock = _RECEIVER_LOCK
         self.pid = os.getpid()
+        self.lock_fd = -1  # holds the region's flock: we are its receiver
 
     def slot_gone(self, slot: Slot) -> None:
         w, at = self.w, slot.offset // 8
@@ -328,6 +354,28 @@ class _Mapping:
             if n - int(w[_W_RQ_R]) < QUEUE_N:  # else the sender finds it by its state
                 w[QUEUE_OFF // 8 + n % QUEUE_N] = slot.offset
                 w[_W_RQ_W] = n + 1
+
+    def take_receiver_lock(self) -> bool:
+        """True if we are (or now become) the region's one receiver."""
+        if self.lock_fd >= 0:
+            return True
+        try:
+            fd = os.open(os.path.join(SHM_DIR, self.name), os.O_RDONLY)
+        except OSError:
+            return False  # removed: its sender closed it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        self.lock_fd = fd
+        return True
+
+    def forget(self) -> None:
+        """Give up the receiver's lock (the mapping stays while slots of it live)."""
+        fd, self.lock_fd = self.lock_fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 class RegionReader:
@@ -361,39 +409,72 @@ class RegionReader:
         if w[_W_MAGIC] != MAGIC or w[_W_VERSION] != VERSION or w[_W_SIZE] != size:
             raise ProtocolError(f"shared-memory ring {name} has a bad header")
         for old in [n for n in self._maps if not os.path.exists(os.path.join(SHM_DIR, n))]:
-            del self._maps[old]  # its sender closed it: unmapped when its last view goes
+            self._maps.pop(old).forget()  # its sender closed it: unmapped when unused
         if len(self._maps) >= 16:  # senders come and go: forget the oldest
-            self._maps.pop(next(iter(self._maps)))
+            self._maps.pop(next(iter(self._maps))).forget()
         self._maps[name] = mapping
         return mapping
 
     def claim(self, name: Any, offset: Any, nbytes: Any, gen: Any) -> Slot:
         """The chunk a descriptor names, now HELD by us (ProtocolError if it is not valid)."""
-        if not (
-            type(offset) is int
-            and type(nbytes) is int
-            and type(gen) is int
-            and offset >= 0
-            and nbytes >= 0
-            and gen > 0
-        ):
-            raise ProtocolError("bad shared-memory descriptor: offset, length, generation")
+        return self.claim_all(name, [(offset, nbytes, gen)])[0]
+
+    def claim_all(self, name: Any, descs: list[tuple[Any, Any, Any]]) -> list[Slot]:
+        """The chunks ``(offset, length, generation)`` of region ``name``, now HELD by
+        us; all or none: ProtocolError (and nothing written) if any is not valid."""
+        for offset, nbytes, gen in descs:
+            if not (
+                type(offset) is int
+                and type(nbytes) is int
+                and type(gen) is int
+                and offset >= 0
+                and nbytes >= 0
+                and gen > 0
+            ):
+                raise ProtocolError("bad shared-memory descriptor: offset, length, generation")
         mapping = self._mapping(name)
-        if offset % ALIGN_B or offset < DATA_OFF or offset + ALIGN_B + nbytes > mapping.size_b:
-            raise ProtocolError(f"no shared-memory chunk can be at {offset} (+{nbytes}) in {name}")
-        w, at = mapping.w, offset // 8
+        size_b = mapping.size_b
+        for offset, nbytes, _ in descs:
+            if offset % ALIGN_B or offset < DATA_OFF or offset + ALIGN_B + nbytes > size_b:
+                raise ProtocolError(
+                    f"no shared-memory chunk can be at {offset} (+{nbytes}) in {name}"
+                )
+        if len(descs) > 1 and len({d[0] for d in descs}) != len(descs):
+            raise ProtocolError(f"shared-memory descriptors name a chunk of {name} twice")
+        w = mapping.w
         with mapping.lock:
-            if w[at + _C_GEN] != gen or w[at + _C_LEN] != nbytes:
-                raise ProtocolError(f"shared-memory chunk at {offset} of {name}: stale or forged")
-            if w[at + _C_STATE] != SENT:
-                raise ProtocolError(f"shared-memory chunk at {offset} of {name}: not sent to us")
-            w[at + _C_HOLDER] = mapping.pid
-            w[at + _C_STATE] = HELD
-            seq = w[at + _C_SEQ]
-            if seq > w[_W_CLAIMED]:
-                w[_W_CLAIMED] = seq
-        return Slot(mapping, offset, nbytes, gen, True)
+            for offset, nbytes, gen in descs:
+                at = offset // 8
+                if w[at + _C_GEN] != gen or w[at + _C_LEN] != nbytes:
+                    raise ProtocolError(
+                        f"shared-memory chunk at {offset} of {name}: stale or forged"
+                    )
+                if w[at + _C_STATE] != SENT:
+                    raise ProtocolError(
+                        f"shared-memory chunk at {offset} of {name}: not sent to us"
+                    )
+            if not mapping.take_receiver_lock():
+                # genuine descriptors (checked above) of a region another receiver has:
+                # tell the sender, which raises, and refuse them
+                w[_W_REFUSED] = mapping.pid
+                raise SecondReceiverError(
+                    f"shared-memory ring {name} has another receiver: a shm channel has "
+                    f"one receiver per sender (this one, pid {mapping.pid}, is refused)"
+                )
+            pid, top = mapping.pid, 0
+            for offset, _, _ in descs:
+                at = offset // 8
+                w[at + _C_HOLDER] = pid
+                w[at + _C_STATE] = HELD
+                seq = w[at + _C_SEQ]
+                if seq > top:
+                    top = seq
+            if top > w[_W_CLAIMED]:
+                w[_W_CLAIMED] = top
+        return [Slot(mapping, offset, nbytes, gen, True) for offset, nbytes, gen in descs]
 
     def close(self) -> None:
         """Forget the mappings; each is unmapped when its last slot goes."""
+        for mapping in self._maps.values():
+            mapping.forget()
         self._maps.clear()

@@ -1,5 +1,8 @@
 """``sampler``: sends messages of ``msg_size`` bytes (N = ``--max-iterations``, at
-``--rate`` Hz when set), then END with the count, and waits for its ACK."""
+``--rate`` Hz when set), then END with the count, and waits for its ACK.
+
+``--batch B``: each iteration sends B messages; on a ``transport=shm`` channel in one
+ZeroMQ message (``send_many``), elsewhere one after the other."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from evflow.runtime.device import Device
 from evflow.runtime.devices._stream import send_end, wait_for_acks
 from evflow.runtime.framing import outgoing
 from evflow.transport.channel import COPY_THRESHOLD_BYTES
+from evflow.transport.shm_channel import ShmChannel
 from evflow.wire.messages import MsgType
 
 log = logging.getLogger("evflow.device")
@@ -30,10 +34,13 @@ class Sampler(Device):
     zero_copy = Param(
         bool, False, "write each message into a new buffer from channel.new_message (shm: in place)"
     )
+    batch = Param(int, 1, "messages per iteration (shm: in one ZeroMQ message, send_many)")
 
     def init_task(self) -> None:
         if self.msg_size < 0:
             raise ValueError(f"msg_size must be >= 0, got {self.msg_size}")
+        if self.batch < 1:
+            raise ValueError(f"batch must be >= 1, got {self.batch}")
         # random bytes: nothing on the way can compress them. A large payload is one
         # zmq.Frame sent again and again: libzmq shares its buffer by reference count,
         # so there is neither a copy nor pyzmq's per-send zero-copy bookkeeping
@@ -51,16 +58,26 @@ class Sampler(Device):
         self._t0 = time.monotonic()
         self._cpu0 = time.process_time()
 
+    def _message(self) -> list[Any]:
+        if not self.zero_copy:
+            return self._frames
+        # a new buffer per message, filled in place, sent without a copy
+        msg = self._out.new_message(self.msg_size, wait_s=self.ack_timeout_s)
+        msg.data[:] = self._payload
+        return outgoing(self._out, MsgType.EVENTS, None, (msg,))
+
     def conditional_run(self) -> bool:
         # waits for a peer, but not past a stop request (a sink that never came)
-        frames = self._frames
-        if self.zero_copy:  # a new buffer per message, filled in place, sent without a copy
-            msg = self._out.new_message(self.msg_size, wait_s=self.ack_timeout_s)
-            msg.data[:] = self._payload
-            frames = outgoing(self._out, MsgType.EVENTS, None, (msg,))
-        if not send_when_ready(self, self._out, frames):
-            return False
-        self.sent += 1
+        if self.batch > 1 and isinstance(self._out, ShmChannel):
+            batch = [self._message() for _ in range(self.batch)]
+            if not send_when_ready(self, self._out, batch, many=True):
+                return False
+            self.sent += len(batch)
+            return True
+        for _ in range(self.batch):
+            if not send_when_ready(self, self._out, self._message()):
+                return False
+            self.sent += 1
         return True
 
     def post_run(self) -> None:

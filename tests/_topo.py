@@ -44,6 +44,25 @@ class Lines:
             + "\n".join(line for _, line in self.seen[-30:])
         )
 
+    def wait_exit(self, timeout_s: float) -> bool:
+        """Read lines until the process closes stderr (it is ending: True) or ``timeout_s``
+        (False; the process may then be stopped gently, e.g. by SIGINT, and ``finish``)."""
+        assert self.proc.stderr is not None
+        fd = self.proc.stderr.fileno()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 0.05)
+            if not ready:
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return True
+            self._buf += chunk
+            *lines, self._buf = self._buf.split(b"\n")
+            now = time.monotonic()
+            self.seen.extend((now, raw.decode(errors="replace")) for raw in lines)
+        return False
+
     def finish(self, timeout_s: float = 60) -> tuple[int, str]:
         try:
             _, rest = self.proc.communicate(timeout=timeout_s)

@@ -22,6 +22,7 @@ from evflow.topology.intake import ControllerBus
 from evflow.topology.node import Exchange
 from evflow.topology.records import DeviceRecord
 from evflow.topology.resolve import ResolvedChannel, ResolvedDevice
+from evflow.topology.startup import StartupSteps
 from evflow.wire.messages import MsgType, encode_message
 
 EXAMPLES = Path(__file__).parent.parent / "examples" / "topologies"
@@ -266,3 +267,36 @@ def test_first_steps_are_taken_once_heard_and_each_step_of_the_walk_once(bus: An
             proc.kill()
             proc.wait()
         controller.close()
+
+
+def test_a_restarted_binder_takes_its_old_endpoints_from_its_bind_step(bus: Any) -> None:
+    """The controller has already heard the restarted device's first state, so it sends
+    no set-properties (the one sent at the restart was lost while the new process was
+    not subscribed): the BIND step alone gives it the endpoints its peers connect to."""
+    context, endpoints = bus
+    old = ["ipc:///tmp/x/qc-in-0-1234abcd.ipc", "tcp://10.0.0.1:4000"]
+    channels = [ResolvedChannel("qc-in", "pull", bind="ipc://;tcp://10.0.0.1:0")]
+    spec = ResolvedDevice("m", "m", "sink", "localhost", 0, {}, channels)
+    records = {"m": DeviceRecord(spec, rank=2, process="running", rewalk=True)}  # INITIALIZED
+    controller = ControllerBus(context, BusEndpoints.parse(endpoints), records, {},
+                               lambda cmd, args: {})  # fmt: skip
+    controller.properties.update({"m.qc-in": old, "other.qc-in": ["ipc:///tmp/x/o.ipc"]})
+    steps = StartupSteps()
+    steps.records, steps.bus = records, controller
+    client = BusClient(context, "m", endpoints)
+    device = Sink("m", context=context)
+    exchange = Exchange(client, spec, timeout_s=5)
+    exchange.attach(device)
+    try:
+        deadline = time.monotonic() + 10
+        while "m.qc-in" not in exchange.properties and time.monotonic() < deadline:
+            records["m"].next_step_s = 0.0
+            steps._rewalk(time.monotonic())  # BIND (again, until the subscription is through)
+            controller.pump(0.05)
+            client.poll(device)
+        (config,) = exchange.bind_configs()
+    finally:
+        client.close()
+        controller.close()
+    assert config.method == "bind" and config.address == ";".join(old)
+    assert "other.qc-in" not in exchange.properties  # its own endpoints only

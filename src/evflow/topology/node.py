@@ -155,15 +155,19 @@ class Exchange:
                 "endpoints": self.endpoints,
             }
 
-        def set_properties(args: dict[str, Any]) -> dict[str, Any]:
-            props = args.get("properties")
+        def take(props: Any) -> None:
             if isinstance(props, dict):
                 for key, urls in props.items():
                     if isinstance(key, str) and isinstance(urls, list):
                         self.properties[key] = [str(u) for u in urls]
+
+        def set_properties(args: dict[str, Any]) -> dict[str, Any]:
+            take(args.get("properties"))
             return {"node_id": self.launch.id, "known": len(self.properties)}
 
         def transition(args: dict[str, Any]) -> dict[str, Any]:
+            # a restarted device's BIND carries the endpoints it bound before (startup.py)
+            take(args.get("properties"))
             names = args.get("transitions")
             if isinstance(names, list):  # the start-up walk: a sequence, taken in order
                 return take_sequence(device, self.launch.id, names)

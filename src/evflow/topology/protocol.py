@@ -20,7 +20,8 @@ agent -> controller (METRICS, every HEARTBEAT_S and at once on a device exit)
     devices: {id: {pid, state, returncode, message, restarts}}}}}``; silence for
     HOST_LOST_S, then no answer to a ``ping`` within PROBE_S, means the host is lost.
 controller -> devices (COMMAND)
-    ``transition {transition}`` (the bus's own), ``set-properties {properties:
+    ``transition {transition}`` (the bus's own; a restarted device's BIND also carries
+    ``properties``: the endpoints it bound before), ``set-properties {properties:
     {"dev.chan": [endpoints]}}``, ``peer-lost {peer}`` (stop waiting for its END).
 device -> controller (a REPLY without ``req`` to ``controller``, fire and forget: only
     the controller subscribes to replies, while a COMMAND would wake every device; the

@@ -213,9 +213,22 @@ class StartupSteps:
             for transition, target, moved in STAGES:
                 if rec.rank < RANK[target]:
                     if rec.rank < RANK[moved]:
-                        self.bus.tell("transition", [rec.id], {"transition": transition})
+                        args: dict[str, Any] = {"transition": transition}
+                        if transition == "BIND":
+                            args["properties"] = self._own_endpoints(rec.id)
+                        self.bus.tell("transition", [rec.id], args)
                     break
             self.bus.tell("check-state", [rec.id])
+
+    def _own_endpoints(self, dev_id: str) -> dict[str, list[str]]:
+        """What ``dev_id`` bound before its restart. They ride with its BIND: the
+        set-properties sent when the agent reports the restart is lost when the new
+        process is not subscribed yet (its bus subscription races its first STATE, and
+        none is sent after it), and bare ``ipc://`` or port 0 would then bind afresh
+        where none of its peers, connected to the old endpoints, ever looks."""
+        assert self.bus is not None
+        props = self.bus.properties
+        return {k: v for k, v in props.items() if k.rpartition(".")[0] == dev_id}
 
 
 def route_source(address: str) -> str:

@@ -16,29 +16,35 @@ class Lines:
         self.seen: list[tuple[float, str]] = []
         self._buf = b""
 
+    def _read(self, wait_s: float) -> list[str] | None:
+        """The whole lines that arrived within ``wait_s`` (kept in ``seen``); None at EOF."""
+        assert self.proc.stderr is not None
+        fd = self.proc.stderr.fileno()
+        ready, _, _ = select.select([fd], [], [], wait_s)
+        if not ready:
+            return []
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return None
+        self._buf += chunk
+        *lines, self._buf = self._buf.split(b"\n")
+        now = time.monotonic()
+        text = [raw.decode(errors="replace") for raw in lines]
+        self.seen.extend((now, line) for line in text)
+        return text
+
     def wait_for(self, text: str, timeout_s: float) -> float:
         """The monotonic time at which a line containing ``text`` was read."""
         for t, line in self.seen:
             if text in line:
                 return t
-        assert self.proc.stderr is not None
-        fd = self.proc.stderr.fileno()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            ready, _, _ = select.select([fd], [], [], 0.05)
-            if not ready:
-                continue
-            chunk = os.read(fd, 65536)
-            if not chunk:
+            lines = self._read(0.05)
+            if lines is None:
                 break
-            self._buf += chunk
-            *lines, self._buf = self._buf.split(b"\n")
-            now = time.monotonic()
-            for raw in lines:
-                line = raw.decode(errors="replace")
-                self.seen.append((now, line))
-                if text in line:
-                    return now
+            if any(text in line for line in lines):
+                return self.seen[-1][0]
         raise AssertionError(
             f"no line with {text!r} within {timeout_s} s; got:\n"
             + "\n".join(line for _, line in self.seen[-30:])
@@ -47,20 +53,10 @@ class Lines:
     def wait_exit(self, timeout_s: float) -> bool:
         """Read lines until the process closes stderr (it is ending: True) or ``timeout_s``
         (False; the process may then be stopped gently, e.g. by SIGINT, and ``finish``)."""
-        assert self.proc.stderr is not None
-        fd = self.proc.stderr.fileno()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            ready, _, _ = select.select([fd], [], [], 0.05)
-            if not ready:
-                continue
-            chunk = os.read(fd, 65536)
-            if not chunk:
+            if self._read(0.05) is None:
                 return True
-            self._buf += chunk
-            *lines, self._buf = self._buf.split(b"\n")
-            now = time.monotonic()
-            self.seen.extend((now, raw.decode(errors="replace")) for raw in lines)
         return False
 
     def finish(self, timeout_s: float = 60) -> tuple[int, str]:

@@ -1,7 +1,7 @@
 """Producers and mergers as real processes: merged == sequential, through kills and layers.
 
-Producers are forked from the supervisor's zygote and run a ``QcTask`` over their share
-of a deterministic event stream (producer j takes events j, j+p, j+2p, ...), publishing
+Producers are forked from the supervisor's zygote and run ``evflow.qc.toy.ToyQc`` over
+their share of the toy event stream (producer j takes events j, j+p, j+2p, ...), publishing
 every 30 ms; mergers run as ``qc-merger`` devices; the top merger's publications arrive
 on a PULL socket of the test. The reference is the same task filled sequentially with
 every event (or, for a producer killed mid-run, with the events it published).
@@ -14,18 +14,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import boost_histogram as bh
-import hist
 import numpy as np
 import pytest
 import zmq
 
-from evflow.params import Param
-from evflow.processing.datastore import DataStore, EventMeta, RunMeta
+from evflow.processing.datastore import DataStore, RunMeta
 from evflow.qc.layers import build_layers, launch_layers, layer_layout
-from evflow.qc.producer import QcTask
 from evflow.qc.publication import PublishedObject, decode_publication
-from evflow.qc.recordbatch import RecordBatch
+from evflow.qc.toy import ToyQc, toy_event
 from evflow.runtime.supervisor import Supervisor
 from evflow.transport.channel import open_channel, parse_channel_config
 from evflow.wire.messages import BadMessageCounter, MsgType
@@ -35,49 +31,15 @@ RESULTS = "ipc://qc-results"
 
 
 def event(i: int) -> DataStore:
-    """Event i: four coordinates in [0, 1) from a multiplicative hash (no RNG state).
-
-    They are multiples of 2**-12, so every sum (weights, squared weights) is exact in any
-    order: merged and sequential bins must be equal, not merely close.
-    """
-    vals = [((i * k + 17) * 2654435761 % 2**32 >> 20) / 2**12 for k in (1, 3, 7, 11)]
-    store = DataStore(EventMeta(uid=i, run=RUN, event=i))
-    store["x"], store["y"], store["z"], store["w"] = vals
-    store["i"] = i
-    return store
-
-
-class Detector(QcTask):
-    hists_only = Param(bool, False, "only histograms (the merger's stacked fast path)")
-
-    def book(self) -> None:
-        self.objects["h1"] = hist.Hist.new.Reg(25, 0, 1).Double()
-        self.objects["h2"] = hist.Hist.new.Reg(8, 0, 1).Var([0, 0.2, 0.5, 1]).Weight()
-        self.objects["h3"] = hist.Hist.new.Reg(4, 0, 1).Reg(4, 0, 1).Reg(3, 0, 1).Int64()
-        self.objects["hn"] = bh.Histogram(*(bh.axis.Regular(3, 0, 1) for _ in range(4)))
-        if self.hists_only:
-            return
-        self.objects["count"] = 0
-        self.objects["sums"] = np.zeros(4)
-        self.objects["rows"] = RecordBatch({"i": "i8", "x": "f8"}, max_rows=1_000_000)
-
-    def fill(self, store: DataStore) -> None:
-        x, y, z, w = store["x"], store["y"], store["z"], store["w"]
-        self.objects["h1"].fill(x)
-        self.objects["h2"].fill(x, y, weight=w)
-        self.objects["h3"].fill(x, y, z)
-        self.objects["hn"].fill(x, y, z, w)
-        if self.hists_only:
-            return
-        self.objects["count"] += 1
-        self.objects["sums"] += (x, y, z, w)
-        self.objects["rows"].fill(i=store["i"], x=x)
+    """Event i of the toy stream (exact sums in any order: merged bins must equal the
+    sequential ones, not merely be close)."""
+    return toy_event(i, RUN)
 
 
 def run_producer(
     j: int, p: int, n_events: int, address: str, session: str, hists_only: bool = False
 ) -> int:
-    task = Detector(
+    task = ToyQc(
         name="det",
         merger=address,
         session=session,
@@ -100,7 +62,7 @@ def run_producer(
 
 
 def reference(events: list[int], hists_only: bool = False) -> dict[str, Any]:
-    task = Detector(name="det", hists_only=hists_only)
+    task = ToyQc(name="det", hists_only=hists_only)
     task.initialize()
     for i in events:
         task.event(event(i))

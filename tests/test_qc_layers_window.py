@@ -21,9 +21,9 @@ from evflow.qc.layers import build_layers, merger_params
 from evflow.qc.mergestate import MergeState
 from evflow.qc.producer import take_payload
 from evflow.qc.publication import PublishedObject
+from evflow.qc.toy import ToyQc
 from test_qc_layers import (
     RUN,
-    Detector,
     assert_equal_objects,
     event,
     reference,
@@ -39,7 +39,7 @@ class Producer:
 
     def __init__(self, j: int, mode: str, hists_only: bool = False) -> None:
         self.src, self.mode, self.seq = f"prod-{j}", mode, 0
-        self.task = Detector(name="det", hists_only=hists_only)
+        self.task = ToyQc(name="det", hists_only=hists_only)
         self.task.initialize()
         self.encoder = DeltaEncoder()
         self.events = 0

@@ -14,13 +14,14 @@ import zmq
 
 from evflow.processing.datastore import RunMeta
 from evflow.qc.layers import build_layers, launch_layers
+from evflow.qc.toy import ToyQc
 from evflow.runtime.bus import BusController
 from evflow.runtime.supervisor import Supervisor
 from evflow.transport.channel import open_channel, parse_channel_config
 from evflow.wire.messages import MsgType, encode_message
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_qc_layers import RUN, Detector, event
+from test_qc_layers import RUN, event
 
 QC_FIELDS = {
     "average_merge_time", "merged_objects_per_second", "VmRSS", "cpu_clock",
@@ -58,8 +59,8 @@ def test_exec_merger_reports_qc_metrics_and_survives_garbage(tmp_path: Path) -> 
         junk.send(encode_message(MsgType.EVENTS, {"qc": 1, "src": "y", "task": "det", "run": 7,
                                                   "cycle": 1, "seq": 1, "events": 1,
                                                   "mode": "delta"}, [b"\x90"]))  # fmt: skip
-        task = Detector(name="det", merger=routes["a"], session=sup.session, cycle_s=0.05,
-                        source="a", resend_after_s=0.5)  # fmt: skip
+        task = ToyQc(name="det", merger=routes["a"], session=sup.session, cycle_s=0.05,
+                     source="a", resend_after_s=0.5)  # fmt: skip
         task.initialize()
         task.begin_run(RunMeta(0, RUN))
         deadline = time.monotonic() + 30

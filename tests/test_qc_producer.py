@@ -13,11 +13,12 @@ import pytest
 from evflow.processing.datastore import RunMeta
 from evflow.qc.merger import QcMerger
 from evflow.qc.publication import PublishedObject
+from evflow.qc.toy import ToyQc
 from evflow.transport.channel import parse_channel_config
 from evflow.transport.paths import remove_session_files
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_qc_layers import RUN, Detector, assert_equal_objects, event, reference
+from test_qc_layers import RUN, assert_equal_objects, event, reference
 
 SESSION = "qctask"
 
@@ -48,8 +49,8 @@ def test_no_credit_holds_cycles_in_the_objects_and_loses_nothing(
     merger: tuple[QcMerger, list[PublishedObject]],
 ) -> None:
     _, pubs = merger
-    task = Detector(name="det", merger="ipc://qct", session=SESSION, cycle_s=0.005,
-                    source="slowpoke", max_unacked=2, resend_after_s=5.0)  # fmt: skip
+    task = ToyQc(name="det", merger="ipc://qct", session=SESSION, cycle_s=0.005,
+                 source="slowpoke", max_unacked=2, resend_after_s=5.0)  # fmt: skip
     task.initialize()
     task.begin_run(RunMeta(0, RUN))
     most_unacked = 0
@@ -76,8 +77,8 @@ def test_full_mode_publishes_whole_objects_that_replace_each_other(
     merger: tuple[QcMerger, list[PublishedObject]],
 ) -> None:
     _, pubs = merger
-    task = Detector(name="det", merger="ipc://qct", session=SESSION, cycle_s=0.02,
-                    mode="full", source="whole")  # fmt: skip
+    task = ToyQc(name="det", merger="ipc://qct", session=SESSION, cycle_s=0.02,
+                 mode="full", source="whole")  # fmt: skip
     task.initialize()
     task.begin_run(RunMeta(0, RUN))
     for i in range(600):
@@ -93,7 +94,7 @@ def test_full_mode_publishes_whole_objects_that_replace_each_other(
 
 
 def test_set_cycle_s_changes_the_cycle_during_the_run() -> None:
-    task = Detector(name="det", cycle_s=100.0)
+    task = ToyQc(name="det", cycle_s=100.0)
     task.initialize()
     with pytest.raises(ValueError, match="must be > 0"):
         task.set_cycle_s(0)
@@ -139,8 +140,8 @@ def test_a_merger_that_cannot_keep_up_reports_it_and_producers_hold_back() -> No
 def test_an_unreachable_merger_delays_the_end_of_the_run_by_finish_timeout_only(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    task = Detector(name="det", merger="ipc://nobody-listens", session=SESSION, cycle_s=0.01,
-                    finish_timeout_s=0.5)  # fmt: skip
+    task = ToyQc(name="det", merger="ipc://nobody-listens", session=SESSION, cycle_s=0.01,
+                 finish_timeout_s=0.5)  # fmt: skip
     task.initialize()
     task.begin_run(RunMeta(0, RUN))
     for i in range(50):

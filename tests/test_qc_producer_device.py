@@ -41,7 +41,7 @@ def test_producer_device_publishes_the_events_it_receives() -> None:
     env = {**os.environ, "PYTHONPATH": path}
     argv = [
         sys.executable, "-m", "evflow", "device", "qc-producer", "--id", "prod-a",
-        "--task", "test_qc_layers:Detector", "--task-params", '{"name": "det"}',
+        "--task", "evflow.qc.toy:ToyQc", "--task-params", '{"name": "det"}',
         "--merger", "ipc://qcm", "--cycle-s", "0.05", "--run-number", str(RUN),
         "--session", SESSION, "--severity", "warn",
         "--channel-config", "name=data-in,type=pull,method=bind,address=ipc://qcp-in",

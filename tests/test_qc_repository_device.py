@@ -1,7 +1,7 @@
 """``qc-repository`` as a real process: producers -> merger(s) -> checks -> SQLite.
 
-Producers are forked and run the ``Detector`` task of ``test_qc_layers`` over their share
-of a deterministic event stream; mergers are ``qc-merger`` devices; the repository is
+Producers are forked and run ``evflow.qc.toy.ToyQc`` (as ``test_qc_layers`` does) over their
+share of a deterministic event stream; mergers are ``qc-merger`` devices; the repository is
 ``evflow device qc-repository`` (exec'd) with a check suite from a TOML file in which
 one check passes, one fails and one raises.
 """

@@ -11,8 +11,10 @@ import pytest
 
 from evflow.errors import ConfigurationError
 from evflow.topology.hosts import load_hosts
+from evflow.topology.node import Exchange
 from evflow.topology.resolve import resolve
 from evflow.topology.spec import load_topology, parse_topology
+from evflow.transport.channel_config import SOCKET_OPTIONS
 
 EXAMPLES = Path(__file__).parent.parent / "examples" / "topologies"
 
@@ -211,6 +213,20 @@ def test_bad_topology_gives_one_clear_error(case: str, text: str, wanted: list[s
     assert "\n" not in message
     for part in wanted:
         assert part in message, (part, message)
+
+
+def test_every_fairmq_socket_option_reaches_the_channel_the_device_opens() -> None:
+    wanted = {key: 7 + i for i, key in enumerate(SOCKET_OPTIONS)}
+    given = ", ".join(f"{key} = {value}" for key, value in wanted.items())
+    text = FAN_IN.replace(
+        '{ name = "data", type = "router", bind = true }',
+        f'{{ name = "data", type = "router", bind = true, {given} }}',
+    )
+    sink = resolve(parse(text)).devices["sink"]  # type: ignore[arg-type]
+    (cfg,) = Exchange(None, sink, 1.0).bind_configs()  # type: ignore[arg-type]
+    assert {key: getattr(cfg, key) for key in SOCKET_OPTIONS} == wanted
+    with pytest.raises(ConfigurationError, match=r"channel 'data-in'.*bad linger -2"):
+        parse(FAN_IN.replace("bind = true }", "bind = true, linger = -2 }"))
 
 
 def test_bad_files_name_the_file(tmp_path: Path) -> None:

@@ -5,7 +5,8 @@ coordinates ``x, y, z, w`` in [0, 1) and the event number ``i``) as EVENTS batch
 ``data``, then END with the count. Several copies share one stream: instance ``NAME_k``
 of ``copies`` sends events ``k, k + copies, k + 2 copies, ...`` below ``n_events``, so
 all of them together send every event once. ``ToyQc`` fills a 1D, a weighted 2D, a 3D
-and a 4D histogram, a counter, a numpy array and a record batch from them.
+and a 4D histogram, a counter, a numpy array and a record batch from them (only the
+histograms with ``hists_only``: the merger's stacked fast path).
 
 Filled sequentially over ``range(n_events)``, ``ToyQc`` gives what the merger layers of
 ``examples/topologies/qc_layers.toml`` must publish at the top, bin by bin: every
@@ -92,11 +93,15 @@ class ToyEvents(Device):
 class ToyQc(QcTask):
     """Histograms of 1 to 4 dimensions, a counter, an array and a record batch."""
 
+    hists_only = Param(bool, False, "only the histograms (the merger's stacked fast path)")
+
     def book(self) -> None:
         self.objects["h1"] = hist.Hist.new.Reg(25, 0, 1, name="x").Double()
         self.objects["h2"] = hist.Hist.new.Reg(8, 0, 1).Var([0, 0.2, 0.5, 1]).Weight()
         self.objects["h3"] = hist.Hist.new.Reg(4, 0, 1).Reg(4, 0, 1).Reg(3, 0, 1).Int64()
         self.objects["hn"] = bh.Histogram(*(bh.axis.Regular(3, 0, 1) for _ in range(4)))
+        if self.hists_only:
+            return
         self.objects["count"] = 0
         self.objects["sums"] = np.zeros(4)
         self.objects["rows"] = RecordBatch({"i": "i8", "x": "f8"}, max_rows=1_000_000)
@@ -107,6 +112,8 @@ class ToyQc(QcTask):
         self.objects["h2"].fill(x, y, weight=w)
         self.objects["h3"].fill(x, y, z)
         self.objects["hn"].fill(x, y, z, w)
+        if self.hists_only:
+            return
         self.objects["count"] += 1
         self.objects["sums"] += (x, y, z, w)
         self.objects["rows"].fill(i=store["i"], x=x)

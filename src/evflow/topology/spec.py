@@ -43,7 +43,7 @@ from typing import Any
 from evflow.errors import ConfigurationError
 from evflow.topology import checks
 from evflow.topology.hosts import HostSpec, parse_hosts
-from evflow.transport.channel_config import SOCKET_TYPES, config_from_mapping
+from evflow.transport.channel_config import SOCKET_OPTIONS, SOCKET_TYPES, config_from_mapping
 
 __all__ = [
     "EVERY_HOST",
@@ -77,14 +77,7 @@ _DEVICE_KEYS = {
 }
 _COLLECTION_KEYS = {"devices", "instances", "hosts", "n_min", "expendable"}
 _CHANNEL_KEYS = {"name", "type", "bind", "connect", "address", "peers"}
-_FAIRMQ_OPTIONS = {
-    "sndBufSize",
-    "rcvBufSize",
-    "sndKernelSize",
-    "rcvKernelSize",
-    "linger",
-    "rateLogging",
-}
+_FAIRMQ_OPTIONS = frozenset(SOCKET_OPTIONS)  # the channel config's own list
 
 
 @dataclass(frozen=True)

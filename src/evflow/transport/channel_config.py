@@ -92,15 +92,16 @@ class ChannelConfig:
 
 
 _KEYS = {f.name: f for f in fields(ChannelConfig)}
-_INT_KEYS = (
+#: FairMQ's socket options (integers): the keys a topology file's channel passes through
+SOCKET_OPTIONS = (
     "sndBufSize",
     "rcvBufSize",
     "sndKernelSize",
     "rcvKernelSize",
     "linger",
     "rateLogging",
-    "shmSize",
 )
+_INT_KEYS = (*SOCKET_OPTIONS, "shmSize")
 
 
 def _bad(name: str, key: str, value: Any, expected: str) -> ConfigurationError:

@@ -103,6 +103,7 @@ def input_us(repeats: int, n_events: int = 100_000) -> float:
     from evflow.processing.parallel import input as role
     from evflow.processing.parallel.batching import BatchSizer, from_u64, u64
     from evflow.processing.parallel.fastpath import encoded_source
+    from evflow.processing.parallel.inputfeed import WorkerSlot
     from evflow.processing.parallel.ledger import Ledger
     from evflow.wire.messages import MsgType, decode_message, encode_message
 
@@ -120,7 +121,7 @@ def input_us(repeats: int, n_events: int = 100_000) -> float:
         r.ledger = Ledger(max_attempts=3, event_timeout_s=None, start_position=0)
         r.seq_of, r.exhausted = {}, False
         r.it, r.encoded = encoded_source(r.chain, 0), True
-        slot = role._Slot("worker-0", 1)
+        slot = WorkerSlot("worker-0", 1)
         slot.buffer = 10
         t0 = time.process_time()
         while True:

@@ -121,6 +121,7 @@ def input_us(repeats: int, n_events: int = 100_000) -> float:
         r.ledger = Ledger(max_attempts=3, event_timeout_s=None, start_position=0)
         r.seq_of, r.exhausted = {}, False
         r.it, r.encoded = encoded_source(r.chain, 0), True
+        r.to_read, r.n_workers, r.workers, r.shm = None, 1, {}, None  # set by __init__
         slot = WorkerSlot("worker-0", 1)
         slot.buffer = 10
         t0 = time.process_time()

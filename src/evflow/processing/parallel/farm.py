@@ -319,6 +319,13 @@ class FarmParent(Parent):
                 self._spawn_remote(host, names)
             return
         starting = host.starting is not None and host.starting.is_alive()
+        code = host.handle.poll() if host.handle is not None else None
+        if code is not None and not starting and not host.retry and not ending:
+            # started but ended before we heard it once: never in the pool, so not "lost";
+            # unnoticed, the host would be left out for good (and a run of one would wait)
+            host.start_error = host.start_error or (
+                f"host {name!r}: its agent ended (code {code}) before it answered"
+            )
         if host.start_error and not starting:
             self._start_failed(name, host, now)
             if self.error is not None:

@@ -125,6 +125,7 @@ evflow.process(evflow.Path([ToyGenerator(n_events=n, seed=4), HoldTail(), BusyWo
 """
 
 
+@pytest.mark.timeout(300)  # bounds for a loaded machine (each wait ends on its condition)
 def test_host_whose_agent_is_killed_is_lost_and_rejoins(tmp_path: Path) -> None:
     import psutil
 

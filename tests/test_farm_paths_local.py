@@ -170,6 +170,46 @@ def test_host_whose_agent_is_killed_is_lost_and_rejoins(tmp_path: Path) -> None:
     assert "hosts lost: 1" in (tmp_path / "stdout").read_text()
 
 
+def test_agent_that_ends_before_it_answers_is_told_and_started_again(tmp_path: Path) -> None:
+    """An agent killed before its first heartbeat was never in the pool: it is not "lost",
+    but it must not be left out in silence either (a run of one host would wait forever)."""
+    import psutil
+
+    (tmp_path / "steer.py").write_text(REJOIN)
+    (tmp_path / "hosts.toml").write_text(
+        '[hosts]\nh1 = { address = "127.0.0.1" }\nh2 = { address = "127.0.0.1" }\n'
+    )
+    out = tmp_path / "out.evr"
+    (tmp_path / "back").touch()  # nothing held: the run goes straight through
+    hosts = str(tmp_path / "hosts.toml")
+    argv = [sys.executable, "-m", "evflow", "run", str(tmp_path / "steer.py"), "--hosts",
+            hosts, "--launcher", "local", "--", "2000", str(out)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": SRC}
+    proc = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        killed = False
+        while not killed:  # at first sight: long before its imports let it answer
+            assert proc.poll() is None, "the run ended before h2's agent started"
+            for child in psutil.Process(proc.pid).children():
+                if "--host" in child.cmdline() and "h2" in child.cmdline():
+                    child.kill()
+                    killed = True
+            time.sleep(0.01)
+        stdout, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert "host 'h2': its agent ended (code -9) before it answered" in err
+    assert "tries it again" in err
+    with RecordReader(str(out)) as reader:
+        uids = [decode_record(str(out), r).meta.uid for r in reader]
+    assert sorted(uids) == list(range(2000))
+    assert "hosts lost: 0" in stdout  # never in the pool, so never lost
+
+
 def test_unreachable_hosts_are_one_clear_error(tmp_path: Path) -> None:
     (tmp_path / "steer.py").write_text(REJOIN)
     (tmp_path / "hosts.toml").write_text(

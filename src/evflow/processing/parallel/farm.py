@@ -16,6 +16,8 @@ Failures:
   process ended, is lost: WORKER_LOST for each of its workers (nobody charged: the
   events were not at fault), so their events go to the other hosts; the agent is ended
   and started again every ``rejoin_s``; when it answers, the host rejoins with new workers.
+- an agent that ends before it was first heard was never in the pool: it is a failed
+  start (one line, started again every ``rejoin_s``), as an unreachable host.
 """
 
 from __future__ import annotations

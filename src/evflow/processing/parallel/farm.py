@@ -16,6 +16,8 @@ Failures:
   process ended, is lost: WORKER_LOST for each of its workers (nobody charged: the
   events were not at fault), so their events go to the other hosts; the agent is ended
   and started again every ``rejoin_s``; when it answers, the host rejoins with new workers.
+- an agent that ends before it was first heard was never in the pool: it is a failed
+  start (one line, started again every ``rejoin_s``), as an unreachable host.
 """
 
 from __future__ import annotations
@@ -319,6 +321,13 @@ class FarmParent(Parent):
                 self._spawn_remote(host, names)
             return
         starting = host.starting is not None and host.starting.is_alive()
+        code = host.handle.poll() if host.handle is not None else None
+        if code is not None and not starting and not host.retry and not ending:
+            # started but ended before we heard it once: never in the pool, so not "lost";
+            # unnoticed, the host would be left out for good (and a run of one would wait)
+            host.start_error = host.start_error or (
+                f"host {name!r}: its agent ended (code {code}) before it answered"
+            )
         if host.start_error and not starting:
             self._start_failed(name, host, now)
             if self.error is not None:

@@ -193,11 +193,11 @@ def start_run(tmp_path: Path) -> Iterator[Any]:
         run.close()
 
 
-@pytest.mark.timeout(40)
+@pytest.mark.timeout(240)
 def test_every_role_answers_check_state_and_get_metrics_during_a_run(start_run):
     run = start_run(workers=2, work_ms=20.0)
     roles = {"input", "output", "worker-0", "worker-1", "parallel"}
-    states = run.wait_all(dict.fromkeys(roles, "RUNNING"), timeout_s=15.0)
+    states = run.wait_all(dict.fromkeys(roles, "RUNNING"), timeout_s=60.0)
     assert roles | {"bus"} == set(states), states  # one node per role, no stray ids
 
     first = run.metrics("worker-0")
@@ -268,12 +268,12 @@ def test_killed_worker_is_replaced_and_answers_under_the_same_name(start_run):
     assert code == 143, err
 
 
-@pytest.mark.timeout(40)
+@pytest.mark.timeout(240)
 def test_idle_workers_answer_at_once_and_refuse_what_they_do_not_take(start_run):
     # a slow serial input path (3 ms per event, batches of ~1000 events): the workers
     # wait for events nearly all the time, blocked in the bus-aware wait
     run = start_run(workers=2, work_ms=0.0, input_sleep_ms=3.0)
-    run.wait_all({"worker-0": "RUNNING", "worker-1": "RUNNING"}, timeout_s=15.0)
+    run.wait_all({"worker-0": "RUNNING", "worker-1": "RUNNING"}, timeout_s=60.0)
     t0 = time.monotonic()
     for _ in range(5):
         assert run.ctl.request("ping", "worker-0", timeout_s=2.0)[0]["ok"]
@@ -288,10 +288,10 @@ def test_idle_workers_answer_at_once_and_refuse_what_they_do_not_take(start_run)
     assert code == 143, err
 
 
-@pytest.mark.timeout(40)
+@pytest.mark.timeout(240)
 def test_a_worker_that_fails_to_start_publishes_error(start_run):
     run = start_run(workers=2, fail=True)
-    deadline = time.monotonic() + 15.0
+    deadline = time.monotonic() + 60.0
     while time.monotonic() < deadline and run.proc.poll() is None:
         time.sleep(0.05)
     code, err = run.stop()

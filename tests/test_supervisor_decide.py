@@ -15,12 +15,12 @@ from typing import Any
 
 from evflow.runtime.supervisor import (
     Decision,
-    ExitEvent,
     ManagedProcess,
     ProcessSpec,
     RestartBudget,
     Supervisor,
 )
+from test_supervisor import _poll_until
 
 
 def _exit_with(code: int) -> int:
@@ -29,15 +29,6 @@ def _exit_with(code: int) -> int:
 
 def _sleep(seconds: float) -> None:
     time.sleep(seconds)
-
-
-def _until(sup: Supervisor, count: int, timeout_s: float = 10.0) -> list[ExitEvent]:
-    events: list[ExitEvent] = []
-    deadline = time.monotonic() + timeout_s
-    while len(events) < count and time.monotonic() < deadline:
-        events += sup.poll(0.05)
-    assert len(events) >= count, f"only {events} within {timeout_s} s"
-    return events
 
 
 def test_a_restart_with_new_arguments_and_a_new_name_each_time() -> None:
@@ -56,7 +47,7 @@ def test_a_restart_with_new_arguments_and_a_new_name_each_time() -> None:
         sup.add(
             ProcessSpec("w", target=_exit_with, args=(1,), decide=decide, before_launch=launching)
         )
-        events = _until(sup, 3)
+        events = _poll_until(sup, 3)
         proc = sup.processes["w"]
         assert seen == [("w.0", 1), ("w.1", 2), ("w.2", 3)]  # args replaced, renamed
         assert [e.outcome for e in events] == ["restarting", "restarting", "ended"]
@@ -74,7 +65,7 @@ def test_a_delayed_restart_waits_on_the_supervisors_clock() -> None:
             decide=lambda p, c: Decision.restart(delay_s=2.0, args=(0,)),
         )
         proc = sup.add(spec)
-        events = _until(sup, 1)
+        events = _poll_until(sup, 1)
         assert events[0].outcome == "restarting" and proc.state == "backoff"
         assert not proc.alive and sup.active  # waiting counts as active, not as alive
         assert sup.next_restart_in_s() == 2.0
@@ -95,7 +86,7 @@ def test_a_group_shares_one_restart_budget_and_cancelled_restarts_give_it_back()
     with Supervisor(clock=lambda: clock["now"]) as sup:
         for name in ("a", "b"):
             sup.add(ProcessSpec(name, target=_exit_with, args=(7,), decide=decide, budget=budget))
-        _until(sup, 2)  # the first restarts at once, the second waits 50 s
+        _poll_until(sup, 2)  # the first restarts at once, the second waits 50 s
         assert budget.used == 2 and budget.left == 0
         assert len(sup.waiting()) == 1
         assert sup.cancel_restarts() == 1 and budget.used == 1  # given back
@@ -114,7 +105,7 @@ def test_past_the_budget_a_restart_decision_fails_the_process() -> None:
                 decide=lambda p, c: Decision.restart(),
             )
         )
-        (event,) = _until(sup, 1)
+        (event,) = _poll_until(sup, 1)
         assert event.outcome == "failed" and "restarts are spent" in event.message
         assert sup.failed == [event] and budget.used == 0
 
@@ -132,7 +123,7 @@ def test_a_restart_that_does_not_count_leaves_the_budget_alone() -> None:
                 decide=lambda p, c: next(codes, Decision.end()),
             )
         )
-        _until(sup, 2)
+        _poll_until(sup, 2)
         assert budget.used == 0 and proc.restarts == 1 and proc.state == "done"
 
 
@@ -146,7 +137,7 @@ def test_give_up_is_a_failure_with_the_callers_message() -> None:
                 decide=lambda p, c: Decision.give_up(f"w said {c}"),
             )
         )
-        (event,) = _until(sup, 1)
+        (event,) = _poll_until(sup, 1)
         assert event.outcome == "failed" and event.message == "w said 2 (failed)"
 
 
@@ -163,7 +154,7 @@ def test_after_launch_hears_every_fork_and_kill_by_pid_reaches_the_right_one() -
         proc = sup.add(spec)
         first = proc.pid
         assert first is not None and sup.kill(first, signal.SIGKILL)
-        _until(sup, 1)
+        _poll_until(sup, 1)
         assert forks == [first, proc.pid] and proc.pid != first and proc.alive
 
 

@@ -170,6 +170,42 @@ def test_fragment_wire_roundtrip_and_garbage() -> None:
         decode_fragments(bad)
 
 
+def test_fragment_batch_from_wire_bytes_is_the_same_message() -> None:
+    """A sender may hand the ids and lengths as their wire bytes (the replay slices
+    them): the message is the one the arrays give, and counts that differ are refused."""
+    ids, lens = np.array([7, 8, 9]), np.array([1, 2, 3])
+    data = b"abbccc"
+    want = encode_fragments(5, ids, (lens, data))
+    got = encode_fragments(5, ids.astype("<u8").tobytes(), (lens.astype("<u4").tobytes(), data))
+    assert [bytes(f) for f in got] == [bytes(f) for f in want]
+    with pytest.raises(ProtocolError, match="3 event ids for 2 fragments"):
+        encode_fragments(5, ids.astype("<u8").tobytes(), (lens[:2].astype("<u4").tobytes(), data))
+
+
+def test_a_run_built_whole_equals_the_same_events_built_one_by_one() -> None:
+    """The slice fast path (a batch that completes a run of consecutive events) gives
+    the events, fragments and counters the event-by-event path gives."""
+    runs, singles = builder(3, timeout_s=100)[0], builder(3, timeout_s=100)[0]
+    for src in range(3):
+        runs.add(batch(src, list(range(100, 140))))
+        for e in range(100, 140):
+            singles.add(batch(src, [e]))
+    a = [x for bb in runs.take_built() for x in stores_from_batch(bb)]
+    b = [x for bb in singles.take_built() for x in stores_from_batch(bb)]
+    assert [s.meta.uid for s in a] == [s.meta.uid for s in b] == list(range(100, 140))
+    assert [sorted(s.keys()) for s in a] == [sorted(s.keys()) for s in b]
+    for x, y in zip(a, b, strict=True):
+        frags = [k for k in sorted(x.keys()) if k.startswith("frag_")]
+        assert len(frags) == 3 and all(bytes(x[k]) == bytes(y[k]) for k in frags)
+    peak = ("max_in_construction", "max_bytes_in_construction")  # (40 at once vs 1)
+    ma, mb = runs.metrics(), singles.metrics()
+    assert {k: v for k, v in ma.items() if k not in peak} == {
+        k: v for k, v in mb.items() if k not in peak
+    }
+    assert ma["built"] == ma["complete"] == 40 and ma["in_construction"] == 0
+    assert not runs._bufs and not singles._bufs  # every buffer let go
+
+
 def test_built_batch_to_stores_and_over_the_wire() -> None:
     b, _ = builder(3, timeout_s=100)
     b.add(batch(0, [4, 5]))

@@ -239,7 +239,7 @@ class EventBuilder:
             if (
                 self.n_open + n > self.config.max_events
                 or d0 + n > len(self._done)
-                or (ev == ids).any()
+                or (self.n_open and (ev == ids).any())  # (an empty ring holds no id)
                 or (self._done[d0 : d0 + n] == ids).any()
             ):
                 return False  # no room, partly in construction, late or wrapped
@@ -274,9 +274,11 @@ class EventBuilder:
         c.bytes += nb
         c.max_in_construction = max(c.max_in_construction, self.n_open)
         c.max_bytes_in_construction = max(c.max_bytes_in_construction, self.open_bytes)
-        done = np.flatnonzero(mask == self.full)
-        if len(done):
-            self._emit(done + s0, BuildState.COMPLETE, ascending=True)
+        complete = mask == self.full
+        if complete.all():  # the usual last source of a run: the whole slice is built
+            self._emit_slice(sl)
+        elif complete.any():
+            self._emit(np.flatnonzero(complete) + s0, BuildState.COMPLETE, ascending=True)
         return True
 
     def _add_small(self, k: int, batch: FragmentBatch, now: float) -> int:
@@ -424,14 +426,6 @@ class EventBuilder:
             lens = np.where(present, self._len[slots], 0)
             msg = np.where(present, self._msg[slots], -1)
             used = msg[present]
-        serials, counts = np.unique(used, return_counts=True)
-        bufs = {}
-        for s, n in zip(serials.tolist(), counts.tolist(), strict=True):
-            entry = self._bufs[s]
-            bufs[s] = entry[0]
-            entry[1] -= n
-            if entry[1] <= 0:
-                del self._bufs[s]
         batch = BuiltBatch(
             self.sources,
             ids,
@@ -440,12 +434,55 @@ class EventBuilder:
             lens,
             msg,
             self._off[slots].copy(),
-            bufs,
+            self._release(used),
         )
         self._done[ids & self._wmask] = ids
         self._ev[slots] = -1
         self.n_open -= len(slots)
         self.open_bytes -= int(self._nbytes[slots].sum())
+        self._count_out(batch, state, present)
+
+    def _emit_slice(self, sl: slice) -> None:
+        """:meth:`_emit` of the complete events of consecutive slots ``sl`` (ascending
+        ids): slices instead of index arrays, the common case of a paced stream."""
+        ids = self._ev[sl].copy()
+        msg = self._msg[sl].copy()
+        batch = BuiltBatch(
+            self.sources,
+            ids,
+            np.zeros(len(ids), np.uint8),  # BuildState.COMPLETE
+            np.zeros(len(ids), np.uint64),
+            self._len[sl].copy(),
+            msg,
+            self._off[sl].copy(),
+            self._release(msg.ravel()),
+        )
+        self._done[ids & self._wmask] = ids
+        self._ev[sl] = -1
+        self.n_open -= len(ids)
+        self.open_bytes -= int(self._nbytes[sl].sum())
+        self._count_out(batch, BuildState.COMPLETE, None)
+
+    def _release(self, used: np.ndarray) -> dict[int, Any]:
+        """The buffers that the fragments of message serials ``used`` refer to; those
+        whose every fragment has now left construction are let go here."""
+        if not used.size:
+            return {}
+        lo = int(used.min())
+        counts = np.bincount(used - lo)  # serials are consecutive: cheaper than unique
+        serials = np.flatnonzero(counts)
+        bufs = {}
+        for s, n in zip((serials + lo).tolist(), counts[serials].tolist(), strict=True):
+            entry = self._bufs[s]
+            bufs[s] = entry[0]
+            entry[1] -= n
+            if entry[1] <= 0:
+                del self._bufs[s]
+        return bufs
+
+    def _count_out(self, batch: BuiltBatch, state: BuildState, present: np.ndarray | None) -> None:
+        """Counters and ``base`` after ``batch`` left construction; queue it."""
+        ids = batch.ids
         c = self.counters
         c.built += len(ids)
         if state is BuildState.COMPLETE:

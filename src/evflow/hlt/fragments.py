@@ -50,27 +50,37 @@ class FragmentBatch:
         )
 
 
+def _le_bytes(values: Any, dtype: str) -> bytes:
+    """``values`` as little-endian ``dtype`` bytes (bytes are taken as they are)."""
+    if type(values) is bytes:
+        return values
+    return np.ascontiguousarray(values, dtype=dtype).tobytes()
+
+
 def fragment_header(source: int, ids: Any, lengths: Any) -> dict[str, Any]:
-    return {
-        BATCH_KEY: int(source),
-        "e": np.ascontiguousarray(ids, dtype="<u8").tobytes(),
-        "n": np.ascontiguousarray(lengths, dtype="<u4").tobytes(),
-    }
+    """The header of a batch; ``ids`` and ``lengths`` as arrays, or already as their
+    ``<u8`` / ``<u4`` bytes (a sender that slices precomputed bytes does no numpy)."""
+    return {BATCH_KEY: int(source), "e": _le_bytes(ids, "<u8"), "n": _le_bytes(lengths, "<u4")}
 
 
 def encode_fragments(
-    source: int, ids: Sequence[int] | np.ndarray, fragments: Sequence[Any] | tuple[Any, Any]
+    source: int,
+    ids: Sequence[int] | np.ndarray | bytes,
+    fragments: Sequence[Any] | tuple[Any, Any],
 ) -> list[Any]:
     """Frames of one batch. ``fragments`` is a list of buffers (one per id) or a pair
-    ``(lengths, data)`` with the fragments already back to back in ``data``."""
+    ``(lengths, data)`` with the fragments already back to back in ``data``. ``ids``
+    and ``lengths`` may be given as their wire bytes (``<u8``, ``<u4``)."""
     if isinstance(fragments, tuple):
         lengths, data = fragments
     else:
         lengths = [memoryview(f).nbytes for f in fragments]
         data = b"".join(fragments)
-    if len(lengths) != len(ids):
-        raise ProtocolError(f"{len(ids)} event ids for {len(lengths)} fragments")
-    return encode_message(MsgType.EVENTS, fragment_header(source, ids, lengths), (data,))
+    header = fragment_header(source, ids, lengths)
+    n_ids, n_lengths = len(header["e"]) // 8, len(header["n"]) // 4
+    if n_ids != n_lengths:
+        raise ProtocolError(f"{n_ids} event ids for {n_lengths} fragments")
+    return encode_message(MsgType.EVENTS, header, (data,))
 
 
 def is_fragment_batch(msg: Message) -> bool:
@@ -93,7 +103,7 @@ def decode_fragments(msg: Message) -> FragmentBatch:
         raise ProtocolError(f"fragment batch: {len(msg.payload)} payload frames, expected 1")
     data = msg.payload[0]
     size = memoryview(data).nbytes
-    ids = np.frombuffer(ids_b, dtype="<u8").astype(np.int64)
+    ids = np.frombuffer(ids_b, dtype="<i8")  # (ids >= 2**63 read negative: refused as far)
     lengths = np.frombuffer(lens_b, dtype="<u4").astype(np.int64)
     ends = np.cumsum(lengths)
     total = int(ends[-1]) if len(ends) else 0

@@ -116,10 +116,10 @@ class FragmentReceiver:
         ch = self.channel
         got = 0
         if ch.poll(timeout_ms):
-            for _ in range(max_messages):
+            while got < max_messages and ch.readable():
                 try:
                     frames = ch.recv(zmq.NOBLOCK)
-                except zmq.Again:
+                except zmq.Again:  # (a shm channel may have dropped a bad marker)
                     break
                 got += 1
                 self._handle(frames)

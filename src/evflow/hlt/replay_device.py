@@ -79,10 +79,9 @@ class ReplayDevice(Device):
             # goes out as one slice, with no step per event
             self._stream_data = [b"".join(p[s] for p in self._pieces) for s in range(self.streams)]
             lens = np.array([[len(x) for x in p] for p in self._pieces], np.int64)
-            self._stream_lens = [np.ascontiguousarray(lens[:, s]) for s in range(self.streams)]
-            self._stream_offs = [
-                np.concatenate(([0], np.cumsum(lens[:, s]))) for s in range(self.streams)
-            ]
+            # lengths as their wire bytes and offsets as ints: a tick slices them, no numpy
+            self._stream_lens = [lens[:, s].astype("<u4").tobytes() for s in range(self.streams)]
+            self._stream_offs = [[0, *np.cumsum(lens[:, s]).tolist()] for s in range(self.streams)]
             self._senders = [
                 FragmentSender(self.context, self.builder, s, session=self.session, name=self.id)
                 for s in range(self.streams)
@@ -108,26 +107,17 @@ class ReplayDevice(Device):
         self._next_send = self._timeline.t0  # the first batch at once
 
     def conditional_run(self) -> bool:
-        tl = self._timeline
         k = self.sent
         if self._limit and k >= self._limit:
             return False
-        n = min(tl.ready(k), self.max_batch)
-        if self._limit:
-            n = min(n, self._limit - k)
         now = time.monotonic()
-        # what is due goes at most every tick (a send takes time: without this the
-        # event that fell due meanwhile would go alone right after): several events
-        # to a message, each keeping its due time, so the rate over the run is the
-        # same. The last event goes when due, not at the next tick after it.
-        last_due = tl.due(self._limit - 1) if self._limit else None
-        if n <= 0 or (now < self._next_send and not (last_due is not None and last_due <= now)):
-            wake = max(tl.due(k), self._next_send)
-            if last_due is not None:
-                wake = min(wake, max(last_due, tl.due(k)))
-            if wake > now:
-                time.sleep(min(wake - now, 0.005 + self._tick_s))
-            return True
+        n = self._sendable(k, now)
+        if not n:  # sleep until it is time, then send in the same pass
+            self._sleep_until_due(k, now)
+            now = time.monotonic()
+            n = self._sendable(k, now)
+            if not n:
+                return True
         ids = np.arange(k, k + n, dtype=np.int64)
         if self._senders:
             self._send_fragments(ids)
@@ -139,12 +129,40 @@ class ReplayDevice(Device):
         self.sent += n
         return True
 
+    def _sendable(self, k: int, now: float) -> int:
+        """How many events from ``k`` on go now; 0: not yet.
+
+        What is due goes at most every tick (a send takes time: without this the
+        event that fell due meanwhile would go alone right after): several events to
+        a message, each keeping its due time, so the rate over the run is the same.
+        The last event goes when due, not at the next tick after it."""
+        tl = self._timeline
+        n = min(tl.ready(k, now), self.max_batch)
+        if self._limit:
+            n = min(n, self._limit - k)
+        if n <= 0:
+            return 0
+        if now < self._next_send and not (self._limit and tl.due(self._limit - 1) <= now):
+            return 0
+        return n
+
+    def _sleep_until_due(self, k: int, now: float) -> None:
+        """Sleep until event ``k`` is due and the tick is over (the last event: until
+        it is due), at most a tick and 5 ms (the device's timers)."""
+        tl = self._timeline
+        wake = max(tl.due(k), self._next_send)
+        if self._limit:
+            wake = min(wake, max(tl.due(self._limit - 1), tl.due(k)))
+        if wake > now:
+            time.sleep(min(wake - now, 0.005 + self._tick_s))
+
     def _send_fragments(self, ids: np.ndarray) -> None:
         first = int(ids[0]) % self._n
+        id_bytes = ids.astype("<u8").tobytes()  # the same ids on every stream
         if first + len(ids) <= self._n:  # one run of the file: one slice per stream
             stop = first + len(ids)
             batches: list[Any] = [
-                (lens[first:stop], memoryview(data)[int(offs[first]) : int(offs[stop])])
+                (lens[4 * first : 4 * stop], memoryview(data)[offs[first] : offs[stop]])
                 for data, lens, offs in zip(
                     self._stream_data, self._stream_lens, self._stream_offs, strict=True
                 )
@@ -157,7 +175,7 @@ class ReplayDevice(Device):
                 self._tick()
                 if self._loop_stop:
                     return
-            sender.send_batch(ids, frags)
+            sender.send_batch(id_bytes, frags)
 
     def post_run(self) -> None:
         r = self.report

@@ -203,6 +203,11 @@ class Channel:
         """True if a message can be received within ``timeout_ms``."""
         return bool(self.socket.poll(timeout_ms, zmq.POLLIN))
 
+    def readable(self) -> bool:
+        """True if :meth:`recv` has a message now. Cheaper than reading until
+        ``zmq.Again`` (a raised exception) to learn that the socket is empty."""
+        return self.pending > 0 or bool(self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
     def statistics(self) -> ChannelStats:
         return ChannelStats(
             self.name,

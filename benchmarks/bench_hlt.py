@@ -1,6 +1,7 @@
 """Trigger-farm figures: event-building rate, framework CPU share of the HLT chain.
 
     python benchmarks/bench_hlt.py [--quick] [--only build|cpu|replay|shm] [--rounds N]
+                                   [--work-ms MS] [--workers 0,2]
                                    [--shm-modes zmq,shm-copy,shm-zero,shm-batch]
                                    [--shm-sizes 100000,...]
 
@@ -23,6 +24,10 @@ cpu:    replay device (4 streams; 1 kHz in ticks of ~32 events (auto), of 100 ms
         end is not in the window either); "whole run" is the same from
         RUSAGE_CHILDREN over everything, start-up included. Per process: framework
         us per event (the workers' and the sequential path's minus the work).
+        "no replay" is the share without the replay device's CPU (in the HLT the
+        replay was the C-RORC's firmware). ``--work-ms 0`` measures the framework's
+        cost per event alone (it is the same as with 1 ms: the cost is per tick and
+        per event of a paced chain, not cache pollution by the work).
 replay: ReplayInput at 1, 10, 50 kHz for 5 s each: achieved rate and worst lag.
 shm:    a device channel (push -> pull, two processes): zmq over ipc, shm with the
         copying send/recv, shm zero-copy (new_message filled in place, recv(views=True)),
@@ -218,7 +223,8 @@ def _cpu_chain(
         modules: list[Any] = [EventBuilderInput(merge=join_fragments, **cfg)]
     else:  # the pieces decoded and joined by a module in the workers
         modules = [EventBuilderInput(**cfg), JoinFragments()]
-    modules.append(MeteredWork(work_ms=1.0, meter_dir=out_dir))
+    work_ms = float(os.environ.get("EVFLOW_BENCH_WORK_MS", "1.0"))
+    modules.append(MeteredWork(work_ms=work_ms, meter_dir=out_dir))
     modules.append(RecordOutput(file=os.path.join(out_dir, "out.evr"), fsync=False))
     path = evflow.Path(modules)
     s = evflow.process(path, workers=workers, quiet=True)
@@ -285,10 +291,12 @@ def _chain_cpu(workers: int, n: int, rate: float, tick_ms: float, join: str) -> 
         roles[role] = roles.get(role, 0.0) + (ns - start) / 1e3 / events
     cpu_us = sum(roles.values())
     work_us = (last[1] - first[1]) / 1e3 / events
+    chain_us = cpu_us - roles.get("replay", 0.0)  # without the readout emulator
     return {
         "events": events,
         "cpu_us": cpu_us,
         "framework": (cpu_us - work_us) / cpu_us,
+        "chain_framework": (chain_us - work_us) / chain_us,
         "roles": roles,
         "work_us": work_us,
         "whole": (total - work_all) / total,
@@ -306,18 +314,22 @@ CPU_CASES = (
 )
 
 
-def bench_cpu(quick: bool) -> None:
+def bench_cpu(quick: bool, work_ms: float = 1.0, workers_list: tuple[int, ...] = (0, 2)) -> None:
     """Steady state: a window of the run (20-90 % of the events), every process counted."""
     n = 2500 if quick else 8000
+    os.environ["EVFLOW_BENCH_WORK_MS"] = str(work_ms)  # read by the chain's child
     print(
-        f"\nframework CPU share, 1 ms CPU per event in the path; {n} events, steady-state "
-        f"window (20-90 %); us per event by process (work: the module's own CPU)"
+        f"\nframework CPU share, {work_ms:g} ms CPU per event in the path; {n} events, "
+        f"steady-state window (20-90 %); us per event by process (work: the module's own "
+        f"CPU); 'no replay': the share without the readout emulator's CPU (the HLT's "
+        f"replay ran in the C-RORC's FPGA)"
     )
     print(
         f"{'workers':>8} {'rate':>9} {'tick':>6} {'join in':>8} {'CPU/event':>10} "
-        f"{'framework':>10} {'whole run':>10} {'replay Hz':>10}  framework us/event by process"
+        f"{'framework':>10} {'no replay':>10} {'whole run':>10} {'replay Hz':>10}  "
+        f"framework us/event by process"
     )
-    for workers in (0, 2):
+    for workers in workers_list:
         for rate, tick, join in CPU_CASES:
             r = _chain_cpu(workers, n, rate, tick, join)
             label = f"{rate:.0f} Hz" if rate else "max"
@@ -330,7 +342,7 @@ def bench_cpu(quick: bool) -> None:
             print(
                 f"{workers:>8} {label:>9} {tick_label:>6} {join:>8} "
                 f"{r['cpu_us'] / 1e3:>8.3f}ms {r['framework']:>9.1%} "
-                f"{r['whole']:>9.1%} {r['replay_hz']:>10,.0f}  {parts}"
+                f"{r['chain_framework']:>9.1%} {r['whole']:>9.1%} {r['replay_hz']:>10,.0f}  {parts}"
             )
 
 
@@ -531,6 +543,13 @@ def main() -> None:
     ap.add_argument("--shm-modes", default=",".join(SHM_MODES), help="shm: modes, comma-separated")
     ap.add_argument("--shm-sizes", default="", help="shm: payload bytes, comma-separated")
     ap.add_argument("--shm-batch", type=int, default=0, help="shm-batch: messages per send")
+    ap.add_argument(
+        "--work-ms",
+        type=float,
+        default=1.0,
+        help="cpu: the work per event (0: the framework's own cost per event alone)",
+    )
+    ap.add_argument("--workers", default="0,2", help="cpu: worker counts, comma-separated")
     a = ap.parse_args()
     print(
         f"bench_hlt {time.strftime('%Y-%m-%d %H:%M')} on {os.cpu_count()} cores "
@@ -539,7 +558,7 @@ def main() -> None:
     if a.only in (None, "build"):
         bench_build(a.quick)
     if a.only in (None, "cpu"):
-        bench_cpu(a.quick)
+        bench_cpu(a.quick, a.work_ms, tuple(int(w) for w in a.workers.split(",")))
     if a.only in (None, "replay"):
         bench_replay(a.quick)
     if a.only in (None, "shm"):

@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import awkward as ak
 import numpy as np
@@ -411,3 +412,35 @@ def test_flush_makes_records_readable_while_the_writer_stays_open(tmp_path: Path
     with RecordReader(path) as reader:
         assert [r.uid for r in reader] == [0, 1, 2, 3, 4]
     out.close()
+
+
+def test_small_records_framed_in_groups_keep_order_bytes_and_uids(tmp_path: Path) -> None:
+    """One-frame records of immutable bytes are framed in groups (after 64, or at the
+    next other record, or at flush); the file is what one record at a time gives:
+    every record in write order, byte for byte, and the uids known at once."""
+    path = tmp_path / "mixed.evr"
+    w = RecordWriter(path, fsync=False)
+    arena = bytearray(b"w" * 50)  # a writable view (shared memory): copied at once
+    want: list[tuple[int, int, bytes]] = []
+    for uid in range(300):
+        if uid % 97 == 5:
+            frames: list[Any] = [memoryview(arena)]
+        elif uid % 89 == 7:
+            frames = [bytes(100_000)]  # large: referenced, never queued
+        elif uid % 61 == 3:
+            frames = [b"two", b"frames"]
+        else:
+            frames = [bytes([uid % 256]) * (uid % 40)]
+        w.write_frames(uid, uid % 3, frames)
+        want.append((uid, uid % 3, pack_frames([bytes(f) for f in frames])))
+        assert uid in w.written_uids() and w.records_written == uid + 1
+    arena[:] = b"x" * 50  # changed after its write: the file keeps what was written
+    w.flush()
+    with RecordReader(path) as reader:
+        got = [(r.uid, r.flags, bytes(r.payload)) for r in reader]
+    assert got == want
+    with pytest.raises(ValueError, match="64 bits"):
+        w.write_frames(-1, 0, [b"bad uid"])  # refused at the write, not at the flush
+    w.close()
+    with pytest.raises(ClosedError, match="is closed"):
+        w.write_frames(1, 0, [b"late"])

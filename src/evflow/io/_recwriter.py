@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 _IOV_MAX = 1000  # below Linux's IOV_MAX (1024)
 _SMALL = 64 * 1024  # buffers below this are copied into the write buffer
 _U32 = struct.Struct("<I")
+_MAX_U64, _MAX_U32 = (1 << 64) - 1, (1 << 32) - 1
+_QUEUE_MAX = 64  # one-frame records framed together at most
 _ONE_FRAME = struct.Struct("<IQ")  # pack_frames header of a single frame
 
 
@@ -62,6 +64,9 @@ class RecordWriter:
         self._uids: set[int] = set()
         self._iov: list[bytes | bytearray | memoryview] = []
         self._small = bytearray()
+        # small one-frame records waiting to be framed: done for many at once, in one
+        # warm loop, instead of right after each event's modules ran (cold caches)
+        self._queued: list[tuple[int, int, bytes | memoryview]] = []
         self._pending = 0
         self.records_written = 0
         self.bytes_written = 0
@@ -111,6 +116,8 @@ class RecordWriter:
 
     def write_record(self, uid: int, flags: int, payload: bytes | bytearray | memoryview) -> None:
         """Append one record (buffered; the payload must not change until ``flush``)."""
+        if self._queued:
+            self._frame_queued()  # records keep the order they were written in
         if type(payload) is not bytes:
             self.write_parts(uid, flags, (payload,))
             return
@@ -135,14 +142,33 @@ class RecordWriter:
     def write_frames(self, uid: int, flags: int, frames: Sequence[bytes | memoryview]) -> None:
         """Append one record whose payload is ``pack_frames(frames)``, without the copy.
 
-        Large frames are referenced, not copied, until the buffer is written: they must
-        not change until ``flush``.
+        Large frames, and a small one that is bytes or a read-only view, are referenced,
+        not copied, until the buffer is written: they must not change until ``flush``.
         """
         if len(frames) == 1:
-            # a small event is one frame (bytes, or a received view): the packed
-            # payload built directly (cheapest)
+            # a small event is one frame (bytes, or a received view). Immutable ones are
+            # queued and framed with the next ones (_frame_queued); a writable view (a
+            # shared-memory arena) is copied now; a uid or flags that do not fit take
+            # the long way and raise there
             frame = frames[0]
-            n = len(frame) if type(frame) is bytes else memoryview(frame).nbytes
+            immutable = type(frame) is bytes
+            if not immutable:
+                frame = memoryview(frame)
+                immutable = frame.readonly
+            n = frame.nbytes if type(frame) is memoryview else len(frame)
+            if immutable and n < _SMALL and 0 <= uid <= _MAX_U64 and 0 <= flags <= _MAX_U32:
+                if self._fd < 0:
+                    raise ClosedError(f"record file {self.path!r} is closed")
+                queued = self._queued
+                queued.append((uid, flags, frame))
+                self._uids.add(uid)
+                self._pending += RECORD_HEADER_SIZE + _ONE_FRAME.size + n
+                self.records_written += 1
+                if len(queued) >= _QUEUE_MAX or self._pending >= self.buffer_bytes:
+                    self._frame_queued()
+                    if self._pending >= self.buffer_bytes:
+                        self._write_out()
+                return
             if n < _SMALL:
                 self.write_record(uid, flags, _ONE_FRAME.pack(1, n) + frame)
                 return
@@ -153,10 +179,24 @@ class RecordWriter:
         else:
             self.write_parts(uid, flags, (head, *frames))
 
+    def _frame_queued(self) -> None:
+        """Frame the queued one-frame records into the write buffer, in order."""
+        queued, self._queued = self._queued, []
+        small = self._small
+        one, crc32 = _ONE_FRAME.pack, zlib.crc32
+        for uid, flags, frame in queued:
+            n = len(frame) if type(frame) is bytes else memoryview(frame).nbytes
+            prefix = one(1, n)
+            small += record_header(_ONE_FRAME.size + n, uid, flags, crc32(frame, crc32(prefix)))
+            small += prefix
+            small += frame
+
     def write_parts(
         self, uid: int, flags: int, parts: Sequence[bytes | bytearray | memoryview]
     ) -> None:
         """Append one record whose payload is the concatenation of ``parts``."""
+        if self._queued:
+            self._frame_queued()
         if self._fd < 0:
             raise ClosedError(f"record file {self.path!r} is closed")
         views = [memoryview(p).cast("B") for p in parts]
@@ -183,6 +223,8 @@ class RecordWriter:
             self._write_out()
 
     def _write_out(self) -> None:
+        if self._queued:
+            self._frame_queued()
         if self._small:
             self._iov.append(self._small)
             self._small = bytearray()

@@ -194,8 +194,12 @@ class EventBuilderInput(_Params, Source):
             # replayed events: re-headed as bytes, decoded only if a module opens one,
             # and written as they are by a writer if none changed it
             uids, frames = joined_from_batch(batch, exp, run)
-            for uid, fr in zip(uids, frames, strict=True):
-                yield LazyEvent(fr, EventMeta(uid, exp, run, uid))
+            # made for the whole batch in one warm loop, not one by one between the
+            # events' modules
+            yield from [
+                LazyEvent(fr, EventMeta(uid, exp, run, uid))
+                for uid, fr in zip(uids, frames, strict=True)
+            ]
 
     def encoded_batches(self, start: int = 0) -> Iterator[tuple[list[int], int, int, list[Any]]]:
         """The path engine's fast path: each built batch as ``(uids, experiment, run,

@@ -1,16 +1,19 @@
 """Trigger-farm figures: event-building rate, framework CPU share of the HLT chain.
 
-    python benchmarks/bench_hlt.py [--quick] [--only build|cpu|replay|shm] [--rounds N]
+    python benchmarks/bench_hlt.py [--quick] [--only core|build|cpu|replay|shm] [--rounds N]
                                    [--work-ms MS] [--workers 0,2]
                                    [--shm-modes zmq,shm-copy,shm-zero,shm-batch]
                                    [--shm-sizes 100000,...]
 
-build:  12 inputs (4 sender processes x 3 sources, real sockets) -> FragmentReceiver +
-        EventBuilder in this process, for 64 B, 1 kB and 10 kB fragments, batched (256
-        fragments per message) and one fragment per message. "built/s" is wall-clock
-        (the senders share the 2 cores); "builder CPU/event" is this process's CPU
-        time per built event (receive, build, free), so "builder-bound rate" = 1 / it
-        is what one core of building alone would sustain.
+core:   EventBuilder alone (no sockets), 12 sources, batches of 256 and 32 consecutive
+        fragments: CPU per event with every event complete, and with one source lost
+        at a fifth of the run (every later event incomplete: the fault path).
+build:  the core line, then 12 inputs (4 sender processes x 3 sources, real sockets)
+        -> FragmentReceiver + EventBuilder in this process, for 64 B, 1 kB and 10 kB
+        fragments, batched (256 fragments per message) and one fragment per message.
+        "built/s" is wall-clock (the senders share the 2 cores); "builder CPU/event"
+        is this process's CPU time per built event (receive, build, free), so
+        "builder-bound rate" = 1 / it is what one core of building alone would sustain.
 cpu:    replay device (4 streams; 1 kHz in ticks of ~32 events (auto), of 100 ms, or
         one event at a time, or as fast as possible) -> EventBuilderInput (the pieces joined as
         bytes there, merge=join_fragments, or by JoinFragments in the workers) ->
@@ -59,6 +62,7 @@ import numpy as np
 import zmq
 
 from evflow.hlt.eventbuilder import BuilderConfig, EventBuilder
+from evflow.hlt.fragments import FragmentBatch
 from evflow.hlt.links import FragmentReceiver
 from evflow.io.generators import BusyWork, burn_cpu
 from evflow.processing.datastore import DataStore
@@ -102,8 +106,50 @@ def build_rate(frag_bytes: int, batch: int, n_events: int) -> dict[str, float]:
     }
 
 
+def builder_core(n_events: int, batch: int, lost_source: int | None) -> float:
+    """CPU us per event of ``EventBuilder`` alone (no sockets): 12 sources, batches of
+    ``batch`` consecutive fragments; with ``lost_source``, that source stops at a fifth
+    of the events and every later event leaves incomplete (inferred from the others
+    moving on, or timed out on a manual clock): the fault path."""
+    n_events -= n_events % batch  # whole batches
+    now = [0.0]
+    b = EventBuilder(
+        BuilderConfig(sources=range(12), timeout_s=0.05, max_events=8192), clock=lambda: now[0]
+    )
+    data = bytes(64 * batch)
+    lens = np.full(batch, 64, np.int64)
+    offs = np.arange(batch, dtype=np.int64) * 64
+    stop_at = n_events // 5
+    built = 0
+    t0 = time.process_time()
+    for first in range(0, n_events, batch):
+        ids = np.arange(first, first + batch, dtype=np.int64)
+        for src in range(12):
+            if src == lost_source and first >= stop_at:
+                continue
+            b.add(FragmentBatch(src, ids, lens, offs, data))
+        now[0] += 0.01
+        b.poll()
+        built += sum(len(x) for x in b.take_built())
+    b.flush()
+    built += sum(len(x) for x in b.take_built())
+    cpu = time.process_time() - t0
+    assert built == n_events, (built, n_events)
+    return cpu / n_events * 1e6
+
+
+def bench_core(quick: bool) -> None:
+    n_core = 40_000 if quick else 200_000
+    print(f"\nEventBuilder alone (no sockets), 12 sources, 64 B, {n_core} events: CPU us/event")
+    print(f"{'per batch':>10} {'all complete':>13} {'one source lost':>16}")
+    for batch in (256, 32):
+        ok = min(builder_core(n_core, batch, None) for _ in range(3))
+        lost = min(builder_core(n_core, batch, 7) for _ in range(3))
+        print(f"{batch:>10} {ok:>12.2f} {lost:>16.2f}")
+
+
 def bench_build(quick: bool) -> None:
-    print("event building, 12 inputs (4 sender processes), real tcp sockets")
+    print("\nevent building, 12 inputs (4 sender processes), real tcp sockets")
     print(
         f"{'fragment':>9} {'per msg':>8} {'events':>7} {'built/s':>10} "
         f"{'builder CPU/event':>18} {'builder-bound/s':>16}"
@@ -538,7 +584,7 @@ def main() -> None:
         return
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", choices=("build", "cpu", "replay", "shm"))
+    ap.add_argument("--only", choices=("core", "build", "cpu", "replay", "shm"))
     ap.add_argument("--rounds", type=int, default=0, help="shm: alternated rounds per size")
     ap.add_argument("--shm-modes", default=",".join(SHM_MODES), help="shm: modes, comma-separated")
     ap.add_argument("--shm-sizes", default="", help="shm: payload bytes, comma-separated")
@@ -555,6 +601,8 @@ def main() -> None:
         f"bench_hlt {time.strftime('%Y-%m-%d %H:%M')} on {os.cpu_count()} cores "
         f"(load {os.getloadavg()[0]:.1f})"
     )
+    if a.only in (None, "build", "core"):
+        bench_core(a.quick)
     if a.only in (None, "build"):
         bench_build(a.quick)
     if a.only in (None, "cpu"):

@@ -186,6 +186,37 @@ def test_a_second_receiver_is_refused_and_the_sender_says_so(ctx: Any, tmp_path:
             rx.close()
 
 
+def test_a_second_receiver_gets_messages_without_chunks_but_never_moves_claimed(
+    ctx: Any, tmp_path: Path
+) -> None:
+    """Messages with no chunk (here all inline) name the region and carry a send
+    sequence: the receiver that holds the region's lock marks them claimed; another
+    one dealt some of them (a second PULL of one PUSH) gets them intact, but writes
+    nothing in the region, so the sender never takes back chunks on their way to it."""
+    addr = f"ipc://{tmp_path}/two"
+    tx = _chan(ctx, "push", "bind", addr, "tworxcopy")
+    rxs = [_chan(ctx, "pull", "connect", addr, "tworxcopy") for _ in range(2)]
+    try:
+        time.sleep(0.2)  # both connected: PUSH deals to both in turn
+        for i in range(6):  # send sequences 1 to 6: one per message, no chunk
+            tx.send(encode_message(MsgType.EVENTS, {"i": i}, [b"x" * 100]))
+        assert tx._region is not None
+        words = tx._region._w
+        assert words[_W_GIVEN] == 6 and words[_W_CLAIMED] == 0
+        got: list[list[int]] = [[], []]
+        for k, rx in enumerate(rxs):  # rxs[0] first: it takes the region's lock
+            while len(got[k]) < 3 and rx.poll(1000):
+                got[k].append(decode_message(rx.recv()).header["i"])
+        assert sorted(got[0] + got[1]) == list(range(6))
+        assert rxs[0].shm_bad == rxs[1].shm_bad == 0
+        assert words[_W_CLAIMED] == max(got[0]) + 1  # rxs[1]'s later ones: not claimed
+        tx.send(encode_message(MsgType.EVENTS, {"i": 6}, [b"x" * 100]))  # no refusal
+    finally:
+        tx.close()
+        for rx in rxs:
+            rx.close()
+
+
 def test_mutated_batch_markers_never_crash_nor_touch_the_region(ctx: Any, tmp_path: Path) -> None:
     """2000 markers of a genuine batch with random bytes changed, cut or appended, sent
     raw: each is dropped and counted, or (a change that still makes sense, e.g. in an

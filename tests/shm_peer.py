@@ -138,6 +138,11 @@ def recv(a: argparse.Namespace, ch: Any) -> None:
         for m in msgs:
             m.release()
 
+    if a.stall:  # a receiver that hangs: bound, reads nothing, its queue fills
+        if a.ready:
+            Path(a.ready).touch()
+        time.sleep(3600)
+        return
     got = 0
     ready: list[list[Any]] = []  # recv_many: the rest of a batch
     while a.count == 0 or got < a.count:
@@ -213,6 +218,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="send_many of N messages")
     ap.add_argument("--batch-stop", action="store_true", help="stop sending at --done")
     ap.add_argument("--many", action="store_true", help="receive with recv_many")
+    ap.add_argument("--stall", action="store_true", help="receive nothing (until killed)")
     a = ap.parse_args()
     kind, method = ("push", "connect") if a.role == "send" else ("pull", "bind")
     (cfg,) = parse_channel_config(

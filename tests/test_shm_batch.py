@@ -21,6 +21,7 @@ from evflow.runtime.device import Device, Origin
 from evflow.transport.channel import open_channel, parse_channel_config
 from evflow.transport.shm_channel import InMessage, ShmChannel
 from evflow.transport.shm_marker import INLINE, REGION, pack_marker
+from evflow.transport.shm_region import _W_CLAIMED, _W_GIVEN
 from evflow.wire.messages import Message, MsgType, decode_message, encode_message
 from shm_peer import rings, sizes_of
 from test_shm_zero_copy import Pair, finish, next_start_cleans
@@ -185,10 +186,43 @@ def test_a_second_receiver_is_refused_and_the_sender_says_so(ctx: Any, tmp_path:
             rx.close()
 
 
+def test_a_second_receiver_gets_messages_without_chunks_but_never_moves_claimed(
+    ctx: Any, tmp_path: Path
+) -> None:
+    """Messages with no chunk (here all inline) name the region and carry a send
+    sequence: the receiver that holds the region's lock marks them claimed; another
+    one dealt some of them (a second PULL of one PUSH) gets them intact, but writes
+    nothing in the region, so the sender never takes back chunks on their way to it."""
+    addr = f"ipc://{tmp_path}/two"
+    tx = _chan(ctx, "push", "bind", addr, "tworxcopy")
+    rxs = [_chan(ctx, "pull", "connect", addr, "tworxcopy") for _ in range(2)]
+    try:
+        time.sleep(0.2)  # both connected: PUSH deals to both in turn
+        for i in range(6):  # send sequences 1 to 6: one per message, no chunk
+            tx.send(encode_message(MsgType.EVENTS, {"i": i}, [b"x" * 100]))
+        assert tx._region is not None
+        words = tx._region._w
+        assert words[_W_GIVEN] == 6 and words[_W_CLAIMED] == 0
+        got: list[list[int]] = [[], []]
+        for k, rx in enumerate(rxs):  # rxs[0] first: it takes the region's lock
+            while len(got[k]) < 3 and rx.poll(1000):
+                got[k].append(decode_message(rx.recv()).header["i"])
+        assert sorted(got[0] + got[1]) == list(range(6))
+        assert rxs[0].shm_bad == rxs[1].shm_bad == 0
+        assert words[_W_CLAIMED] == max(got[0]) + 1  # rxs[1]'s later ones: not claimed
+        tx.send(encode_message(MsgType.EVENTS, {"i": 6}, [b"x" * 100]))  # no refusal
+    finally:
+        tx.close()
+        for rx in rxs:
+            rx.close()
+
+
 def test_mutated_batch_markers_never_crash_nor_touch_the_region(ctx: Any, tmp_path: Path) -> None:
     """2000 markers of a genuine batch with random bytes changed, cut or appended, sent
     raw: each is dropped and counted, or (a change that still makes sense, e.g. in an
-    inline frame) delivered; never an exception, and the held chunks stay held."""
+    inline frame) delivered; never an exception, and the held chunks stay held. Then
+    500 of a batch with no chunk (whose send sequence the receiver marks claimed): the
+    same, and the claimed sequence never goes beyond what the sender gave out."""
     addr = f"ipc://{tmp_path}/fuzz"
     tx = _chan(ctx, "push", "bind", addr, "fuzz")
     rx = _chan(ctx, "pull", "connect", addr, "fuzz")
@@ -201,17 +235,22 @@ def test_mutated_batch_markers_never_crash_nor_touch_the_region(ctx: Any, tmp_pa
         held = rx.recv_many(views=True)  # the chunks are HELD now: a replay must be refused
         assert tx._region is not None and tx._region.in_use() == 3
         region = tx._region.name.encode()
+        words = tx._region._w
+        seq = int(words[_W_GIVEN])  # the batch's send sequence
         entries: list[int] = []
         for j, m in enumerate(held):
             got = m[2]
             assert isinstance(got, InMessage) and got._slot is not None
             entries += [INLINE, 2 * j, 1, 0, INLINE, 2 * j + 1, 1, 0]
             entries += [REGION, got._slot.offset, got.nbytes, got._slot.gen]
-        genuine = pack_marker(region, [3, 3, 3], entries, [b"\x03", b"\x80"] * 3)
+        genuine = pack_marker(region, [3, 3, 3], entries, [b"\x03", b"\x80"] * 3, seq)
+        no_chunk = pack_marker(
+            region, [2, 2, 2], [INLINE, 0, 1, 0, INLINE, 1, 1, 0] * 3, [b"\x03", b"\x80"], seq
+        )
         rng = np.random.default_rng(15)
         bad = delivered = 0
-        for k in range(2000):
-            forged = bytearray(genuine)
+        for k in range(2500):
+            forged = bytearray(genuine if k < 2000 else no_chunk)
             for _ in range(int(rng.integers(1, 4))):
                 forged[int(rng.integers(0, len(forged)))] = int(rng.integers(0, 256))
             if k % 10 == 0:
@@ -225,7 +264,8 @@ def test_mutated_batch_markers_never_crash_nor_touch_the_region(ctx: Any, tmp_pa
                 assert isinstance(frames, list)
             bad += rx.shm_bad - before
             delivered += rx.shm_bad == before
-        assert bad + delivered == 2000 and bad > 1900
+            assert words[_W_CLAIMED] <= words[_W_GIVEN] == seq
+        assert bad + delivered == 2500 and bad > 1900 + 250
         for j, m in enumerate(held):  # untouched, still ours
             assert (m[2].array() == j + 1).all()
         assert tx._region.in_use() == 3

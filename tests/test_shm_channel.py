@@ -173,7 +173,7 @@ def test_full_ring_falls_back_to_copying_and_bad_markers_are_dropped(tmp_path: P
         # a forged marker naming a foreign file: dropped as an unknown message, no crash
         for name in ("/etc/passwd", f"{RING_PREFIX}1-other-x"):
             entries = [INLINE, 0, 1, 0, INLINE, 1, 1, 0, REGION, 4096 * 17, 10, 64]
-            tx.socket.send(pack_marker(name.encode(), [3], entries, [b"\x03", b"\x80"]))
+            tx.socket.send(pack_marker(name.encode(), [3], entries, [b"\x03", b"\x80"], 1))
             assert rx.poll(5000)
             assert rx.recv()[0] == b"\x00"
         assert rx.shm_bad == 2

@@ -161,6 +161,42 @@ def test_kill_9_of_either_side_while_views_are_held(pair: Pair, tmp_path: Path) 
     next_start_cleans(pair, tmp_path, tx.pid)
 
 
+def test_kill_9_of_a_receiver_that_claimed_nothing_of_a_full_region(
+    pair: Pair, tmp_path: Path
+) -> None:
+    """A receiver that reads nothing while the sender fills the whole region and queues
+    copies behind it, then dies: every chunk went with it (none held: the old rule for
+    the chunks of a dead receiver takes none back), and the next receiver gets only
+    copies at first. Their send sequences tell the sender that the chunks are lost: it
+    takes them back and sends in place again (it used to copy for ever, nothing newer
+    ever being claimed in the region)."""
+    n = 200
+    ready = tmp_path / "ready"
+    rx1 = pair.start("recv", "r1", "--stall", "--ready", str(ready), "--sndhwm", "16")
+    tx = pair.start(
+        "send", "s", "--sizes", str(200 * KB), "--shm-size", str(2 * MB), "--sndhwm", "16",
+        "--count", str(n),
+    )  # fmt: skip
+    # message 20 went: the first ones filled the region (9 chunks), copies follow them
+    pair.wait_stats("s", lambda s: s["sent"] >= 20 and s["heap"] > 0)
+    assert ready.exists()
+    time.sleep(0.3)  # settled: the chunks' markers are in rx1's queue, not the sender's
+    rx1.send_signal(signal.SIGKILL)
+    rx1.wait(10)
+    stop = tmp_path / "stop"
+    rx2 = pair.start("recv", "r2", "--check-after", str(stop))
+    pair.wait_stats("r2", lambda r: r.get("last") == n - 1)
+    stop.touch()
+    assert rx2.wait(30) == 0 and tx.wait(30) == 0
+    r2, s = pair.stats("r2"), pair.stats("s")
+    assert r2["bad"] == 0 and r2["gaps"] == 1  # it starts after what rx1 had
+    # copies first, then in place again: the 9 chunks of the region used over and over
+    # (still with copies among them: the sender outruns this receiver)
+    assert r2["over_zmq"] > 0 and r2["in_region"] > 20
+    assert s["reclaimed_dead"] >= 9 and s["in_use"] == 0  # the lost ones taken back
+    assert not rings(tx.pid)
+
+
 def test_kill_9_of_both_while_views_are_held(pair: Pair, tmp_path: Path) -> None:
     tx = pair.start("send", "s", "--sizes", str(300 * KB), "--shm-size", str(4 * MB))
     rx = pair.start("recv", "r", "--hold", "5", "--delay-ms", "2")
@@ -218,12 +254,21 @@ def _recv(rx: ShmChannel) -> list[Any]:
     return rx.recv(views=True)
 
 
-def _region_marker(region: str, offset: int, nbytes: int, gen: int, twice: bool = False) -> bytes:
+def _region_marker(
+    region: str, offset: int, nbytes: int, gen: int, twice: bool = False, seq: int = 1
+) -> bytes:
     """A marker of one EVENTS message whose payload frame is a chunk of ``region``."""
     entries = [INLINE, 0, 1, 0, INLINE, 1, 1, 0, REGION, offset, nbytes, gen]
     if twice:
         entries += [REGION, offset, nbytes, gen]
-    return pack_marker(region.encode(), [len(entries) // 4], entries, [b"\x03", b"\x80"])
+    return pack_marker(region.encode(), [len(entries) // 4], entries, [b"\x03", b"\x80"], seq)
+
+
+def _inline_marker(region: str, seq: int) -> bytes:
+    """A marker of one EVENTS message, all inline, naming ``region`` with send sequence
+    ``seq`` (as every message of a sender with a region)."""
+    entries = [INLINE, 0, 1, 0, INLINE, 1, 1, 0]
+    return pack_marker(region.encode(), [2], entries, [b"\x03", b"\x80"], seq)
 
 
 def test_forged_descriptors_are_refused_counted_and_harmless(channels: Any) -> None:
@@ -268,6 +313,9 @@ def test_forged_descriptors_are_refused_counted_and_harmless(channels: Any) -> N
         (pack_marker(b"", [1], [INLINE, 0, 100, 0], []), "inline frame beyond its bytes"),
         (pack_marker(b"", [1], [INLINE, 2**64 - 1, 1, 0], [b"x"]), "inline frame beyond"),
         (pack_marker(b"", [1], [SOCKET, 0, 0, 0], []), "0 frames on the socket"),
+        (_region_marker(name, at, 1000, slot_gen, seq=0), "send sequence 0, region name"),
+        (pack_marker(b"", [1], [INLINE, 0, 1, 0], [b"x"], 5), "send sequence 5, region name"),
+        (_inline_marker(name, 2**63), "send sequence 9223372036854775808 is forged"),
     ]
     for marker, why in markers:
         tx.socket.send(marker)
@@ -276,6 +324,27 @@ def test_forged_descriptors_are_refused_counted_and_harmless(channels: Any) -> N
     assert rx.shm_bad == len(markers)
     # nothing was released or corrupted by them: the held view is intact and still ours
     assert (held.array() == 5).all() and region.in_use() == 1
+    # a chunk on its way: a marker must give it a send sequence after the chunk's and
+    # no later than what the sender gave out (read in the region), else it is refused
+    spare = tx.new_message(1000)
+    spare.array()[:] = 7
+    slot = spare._slot
+    assert slot is not None
+    region.mark_sent(slot)  # as send() does, before its marker goes out
+    given = region.stamp()  # the marker's send sequence, published in the region
+    for seq in (given - 1, given + 1):
+        tx.socket.send(_region_marker(name, slot.offset, 1000, slot.gen, seq=seq))
+        assert _recv(rx)[0] == b"\x00" and "is forged" in rx.shm_last_bad
+    assert rx.shm_bad == len(markers) + 2 and region.in_use() == 2
+    tx.socket.send(_region_marker(name, slot.offset, 1000, slot.gen, seq=given))
+    got = decode_message(_recv(rx)).payload[0]
+    assert isinstance(got, InMessage) and got.in_region and (got.array() == 7).all()
+    # a message without chunks naming a region that is gone (its sender closed it)
+    # comes as it is: its sequence has nothing left to tell
+    tx.socket.send(_inline_marker(f"{RING_PREFIX}{os.getpid()}-forge-gone", 1))
+    assert decode_message(_recv(rx)).type is MsgType.EVENTS
+    assert rx.shm_bad == len(markers) + 2
+    del got, spare, slot
     held.release()
     assert region.in_use() == 0
     # a stale descriptor (the chunk was released, then reused by the next message)
@@ -285,7 +354,7 @@ def test_forged_descriptors_are_refused_counted_and_harmless(channels: Any) -> N
     tx.socket.send(_region_marker(name, at, 1000, slot_gen))
     got = decode_message(_recv(rx)).payload[0]
     assert (np.asarray(got) == 6).all()
-    assert _recv(rx)[0] == b"\x00" and rx.shm_bad == len(markers) + 1
+    assert _recv(rx)[0] == b"\x00" and rx.shm_bad == len(markers) + 3
     assert "stale or forged" in rx.shm_last_bad
     # and the channel still works both ways
     tx.send(encode_message(MsgType.EVENTS, None, [b"y" * 100_000]))
@@ -333,6 +402,39 @@ def test_views_keep_the_chunk_until_the_last_one_goes(channels: Any) -> None:
     got = decode_message(_recv(rx)).payload[0]
     assert isinstance(got, InMessage) and not got.in_region and len(got) == 3 * MB
     assert (got.array() == 9).all() and bytes(got)[:2] == b"\t\t"
+
+
+def test_chunks_lost_with_a_receiver_are_taken_back_after_one_copy(channels: Any) -> None:
+    """The messages of a whole region's chunks are lost on the way (taken off the
+    socket here and dropped, as a receiver killed before it claims them): every chunk
+    stays SENT, so the region is full and the next message is a copy. Its send
+    sequence, marked claimed by the receiver, tells the sender those chunks are lost:
+    the very next message is in the region again."""
+    tx, rx = channels
+    tx.send(encode_message(MsgType.EVENTS, {"i": -1}, [b"hello"]))  # all inline
+    assert decode_message(_recv(rx)).header == {"i": -1}
+    region = tx._region
+    assert region is not None
+    lost = 0
+    while (msg := tx.new_message(200 * KB)).in_region:
+        tx.send(encode_message(MsgType.EVENTS, {"i": lost}, [msg]))
+        assert rx.socket.poll(5000)
+        rx.socket.recv_multipart()  # lost: its chunk never claimed
+        lost += 1
+    assert lost == region.in_use() > 5
+    got = []
+    for i in range(lost, lost + 3):
+        if i > lost:  # each new_message after the last message arrived
+            msg = tx.new_message(200 * KB)
+        msg.array()[:] = i % 251
+        tx.send(encode_message(MsgType.EVENTS, {"i": i}, [msg]))
+        frames = decode_message(_recv(rx))
+        assert frames.header == {"i": i}
+        with frames.payload[0] as payload:
+            assert (payload.array() == i % 251).all()
+            got.append(payload.in_region)
+    assert got == [False, True, True]  # one copy, then in place
+    assert region.reclaimed_dead == lost and region.in_use() == 0 and rx.shm_bad == 0
 
 
 def test_a_failed_send_leaves_the_buffer_to_the_caller(tmp_path: Path) -> None:

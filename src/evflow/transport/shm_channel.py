@@ -218,8 +218,10 @@ class ShmChannel(Channel):
                         copied += 1
                     entries += (SOCKET, 0, 0, 0)
                     out.append(f)
-            name = region.name.encode() if region is not None and (zero or placed) else b""
-            out[0] = pack_marker(name, counts, entries, inline)
+            # named and numbered with or without chunks: a copy that reaches the
+            # receiver tells the sender what was lost before it (ShmRegion)
+            name, seq = (region.name.encode(), region.stamp()) if region is not None else (b"", 0)
+            out[0] = pack_marker(name, counts, entries, inline, seq)
             super().send(out, flags)
         except BaseException:
             for slot in copies:  # not sent: free again when dropped
@@ -296,15 +298,17 @@ class ShmChannel(Channel):
         m = unpack_marker(marker, len(frames))
         entries = m.entries
         slots: list[Slot] = []
+        reader = self._reader
+        assert reader is not None
         if m.n_region:
-            reader = self._reader
-            assert reader is not None
             descs = [
                 (entries[i + 1], entries[i + 2], entries[i + 3])
                 for i in range(0, len(entries), 4)
                 if entries[i] == REGION
             ]
-            slots = reader.claim_all(m.region, descs)  # all checked, then all claimed
+            slots = reader.claim_all(m.region, descs, m.seq)  # all checked, then claimed
+        elif m.seq:
+            reader.passed(m.region, m.seq)
         raw, base = m.inline, m.inline_at
         next_slot = iter(slots).__next__
         next_frame = iter(frames).__next__

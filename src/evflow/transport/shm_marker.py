@@ -9,7 +9,10 @@ one of the ZeroMQ frames that follow the marker. Layout, little-endian::
     0    u8 TAG (0xc1: never the first byte of msgpack), u8 VERSION, u16 0,
          u32 messages
     8    u32 frames, u32 region-name bytes, u32 inline bytes, u32 0
-    24   the region's name (ASCII), zero-padded to 8 bytes
+    24   u64 send sequence: this ZeroMQ message's place in what the sender sent (one
+         counter for its chunks and its messages, after those of its chunks); 0 and
+         no region name when the sender has no region
+    32   the region's name (ASCII), zero-padded to 8 bytes
          u32 per message: its number of frames; zero-padded to 8 bytes
          4 x u64 per frame: kind, a, b, c
              REGION  a = chunk offset, b = length, c = generation
@@ -19,10 +22,17 @@ one of the ZeroMQ frames that follow the marker. Layout, little-endian::
              INLINE  a = position in the inline bytes, b = length
          the inline bytes
 
+Every marker of a sender with a region names it and carries a send sequence, also
+when no frame is in the region (a copy over ZeroMQ because the region was full, or
+all frames inline): the receiver marks it claimed in the region's header, which tells
+the sender that chunks sent before it went to a receiver that died (see
+:mod:`evflow.transport.shm_region`). Version 1 had no sequence (24-byte head).
+
 A marker comes from a socket: :func:`unpack_marker` checks every count and bound
 (exact total length, the frames per message add up, kinds known, inline frames inside
-the inline bytes, as many ZeroMQ frames as announced) and raises ProtocolError;
-the region's descriptors are checked by the region reader.
+the inline bytes, as many ZeroMQ frames as announced, a sequence exactly when a region
+is named) and raises ProtocolError; the region's descriptors and the sequence are
+checked against the region by the region reader.
 """
 
 from __future__ import annotations
@@ -47,7 +57,7 @@ __all__ = [
 ]
 
 TAG = 0xC1
-VERSION = 1
+VERSION = 2  # 2: the send sequence in the head
 REGION, SOCKET, HEAP, INLINE = range(4)
 #: frames up to this size travel inside the marker
 INLINE_MAX_B = 1024
@@ -55,7 +65,7 @@ INLINE_MAX_B = 1024
 #: (at most 2 MB of entries, a few MB of Python ints)
 MAX_MESSAGES = 1 << 14
 MAX_FRAMES = 1 << 16
-_HEAD = struct.Struct("<BBHIIIII")
+_HEAD = struct.Struct("<BBHIIIIIQ")
 
 
 def _pad8(n: int) -> int:
@@ -66,6 +76,7 @@ class Marker(NamedTuple):
     """A checked marker: ``counts[i]`` frames of message i, ``entries`` flat (4 per frame)."""
 
     region: str
+    seq: int  # the send sequence (0: no region)
     counts: tuple[int, ...]
     entries: tuple[int, ...]
     inline: bytes  # the marker itself; inline frames lie at inline_at + a
@@ -77,20 +88,19 @@ class Marker(NamedTuple):
 def _layout(n_msgs: int, n_frames: int, n_name: int) -> struct.Struct:
     """Everything but the inline bytes, in one struct (one pack or unpack per marker)."""
     pads = f"{_pad8(n_name)}x{n_msgs}I{_pad8(4 * n_msgs)}x"
-    return struct.Struct(f"<BBHIIIII{n_name}s{pads}{4 * n_frames}Q")
+    return struct.Struct(f"<BBHIIIIIQ{n_name}s{pads}{4 * n_frames}Q")
 
 
 def pack_marker(
-    region: bytes, counts: list[int], entries: list[int], inline: list[object]
+    region: bytes, counts: list[int], entries: list[int], inline: list[object], seq: int = 0
 ) -> bytes:
     """The marker of one batch (``entries``: 4 ints per frame; ``inline``: the buffers
-    of the INLINE frames, in order)."""
+    of the INLINE frames, in order; ``seq``: its send sequence, 0 if no ``region``)."""
     n_msgs, n_frames = len(counts), len(entries) // 4
     data = b"".join(inline) if inline else b""  # type: ignore[arg-type]  # buffers
     layout = _layout(n_msgs, n_frames, len(region))
-    head = layout.pack(
-        TAG, VERSION, 0, n_msgs, n_frames, len(region), len(data), 0, region, *counts, *entries
-    )
+    sizes = (n_msgs, n_frames, len(region), len(data))
+    head = layout.pack(TAG, VERSION, 0, *sizes, 0, seq, region, *counts, *entries)
     return head + data
 
 
@@ -98,7 +108,7 @@ def unpack_marker(marker: bytes, n_socket: int) -> Marker:
     """The checked marker of a batch whose ZeroMQ message had ``n_socket`` more frames."""
     if len(marker) < _HEAD.size:
         raise ProtocolError(f"bad shared-memory marker: {len(marker)} bytes")
-    tag, version, _, n_msgs, n_frames, n_name, n_inline, _ = _HEAD.unpack_from(marker)
+    tag, version, _, n_msgs, n_frames, n_name, n_inline, _, seq = _HEAD.unpack_from(marker)
     if tag != TAG:
         raise ProtocolError(f"bad shared-memory marker: first byte {tag:#x}")
     if version != VERSION:
@@ -108,6 +118,10 @@ def unpack_marker(marker: bytes, n_socket: int) -> Marker:
             f"bad shared-memory marker: {n_msgs} messages, {n_frames} frames, "
             f"a region name of {n_name} bytes"
         )
+    if (seq == 0) != (n_name == 0):  # a sender with a region numbers every message
+        raise ProtocolError(
+            f"bad shared-memory marker: send sequence {seq}, region name of {n_name} bytes"
+        )
     layout = _layout(n_msgs, n_frames, n_name)
     if len(marker) != layout.size + n_inline:
         raise ProtocolError(
@@ -115,10 +129,10 @@ def unpack_marker(marker: bytes, n_socket: int) -> Marker:
             f"{layout.size + n_inline}"
         )
     fields = layout.unpack_from(marker)
-    counts = fields[9 : 9 + n_msgs]
+    counts = fields[10 : 10 + n_msgs]
     if sum(counts) != n_frames:
         raise ProtocolError(f"bad shared-memory marker: {sum(counts)} frames of {n_frames}")
-    entries = fields[9 + n_msgs :]
+    entries = fields[10 + n_msgs :]
     kinds = entries[0::4]
     n_region = kinds.count(REGION)
     n_inline_frames = kinds.count(INLINE)
@@ -132,7 +146,7 @@ def unpack_marker(marker: bytes, n_socket: int) -> Marker:
             if entries[i] == INLINE and entries[i + 1] + entries[i + 2] > n_inline:
                 raise ProtocolError("bad shared-memory marker: inline frame beyond its bytes")
     try:
-        region = fields[8].decode("ascii")
+        region = fields[9].decode("ascii")
     except UnicodeDecodeError:
         raise ProtocolError("bad shared-memory marker: region name not ASCII") from None
-    return Marker(region, counts, entries, marker, layout.size, n_region)
+    return Marker(region, seq, counts, entries, marker, layout.size, n_region)

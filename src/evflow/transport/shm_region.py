@@ -9,7 +9,8 @@ and reads the chunks in place. Layout, all words u64 little-endian::
 
     0     magic, file size, version, release-queue write count (receiver),
           release-queue read count (sender), highest send sequence claimed (receiver),
-          pid of a second receiver that was refused (that receiver)
+          pid of a second receiver that was refused (that receiver), highest send
+          sequence given out (sender)
     4096  release queue: QUEUE_N chunk offsets written by the receiver
     DATA  chunks: a 64-byte header (generation, state, length, holder pid, send
           sequence) and the data, 64-byte aligned
@@ -18,8 +19,18 @@ A chunk's state moves FILLING (sender) -> SENT (sender) -> HELD (receiver, its p
 the header) -> RELEASED (receiver, and its offset appended to the release queue) ->
 free (sender). Each transition is written by one side only, so no atomics are needed.
 The sender takes a chunk back only when it is RELEASED, or HELD by a process that no
-longer exists, or SENT before a later chunk the receiver claimed (one FIFO pipe: that
+longer exists, or SENT before a later message the receiver got (one FIFO pipe: that
 message was lost with a dead receiver): a chunk a live receiver holds is never reused.
+
+Send sequence: one counter per sender numbers its chunks (in the chunk's header) and
+its ZeroMQ messages (in their markers, after the chunks they carry), including those
+with no chunk (copied over ZeroMQ because the region was full, or all inline). The
+receiver that holds the region's lock raises "claimed" to the sequence of each
+message it gets. Were only chunks counted, chunks lost with a killed receiver that
+fill the whole region would never be taken back: every later message is a copy, no
+later chunk is ever claimed, and the channel would stay in copy mode. A marker's
+sequence comes from a socket: the receiver refuses one above "given out", so a forged
+one cannot make the sender take back chunks it has not sent yet.
 
 One receiver per region: the receiver holds an exclusive ``flock`` on the region's
 file while it maps it (the kernel drops it when the process dies, so a receiver started
@@ -66,13 +77,13 @@ log = logging.getLogger("evflow.transport")
 SHM_DIR = "/dev/shm"
 RING_PREFIX = "evflow-dc-"
 MAGIC = 0x31305243_44465645  # "EVFDCR01"
-VERSION = 3
+VERSION = 4  # 4: the "given out" word (send sequences of messages without chunks)
 ALIGN_B = 64
 QUEUE_OFF = 4096
 QUEUE_N = 8192
 DATA_OFF = QUEUE_OFF + 8 * QUEUE_N
 # header words
-_W_MAGIC, _W_SIZE, _W_VERSION, _W_RQ_W, _W_RQ_R, _W_CLAIMED, _W_REFUSED = range(7)
+_W_MAGIC, _W_SIZE, _W_VERSION, _W_RQ_W, _W_RQ_R, _W_CLAIMED, _W_REFUSED, _W_GIVEN = range(8)
 # chunk header words (relative to the chunk's first word)
 _C_GEN, _C_STATE, _C_LEN, _C_HOLDER, _C_SEQ = range(5)
 FREE, FILLING, SENT, HELD, RELEASED = range(5)
@@ -244,6 +255,14 @@ class ShmRegion:
         self._w[at + _C_STATE] = SENT
         slot.sent = True
 
+    def stamp(self) -> int:
+        """The send sequence of the ZeroMQ message going out now (after its chunks'),
+        published as "given out" first: a receiver refuses a higher one as forged."""
+        seq = self._next_seq
+        self._next_seq += 1
+        self._w[_W_GIVEN] = seq
+        return seq
+
     def unsend(self, slot: Slot) -> None:
         """The send failed (e.g. ``zmq.Again``): the chunk is the sender's again."""
         self._w[slot.offset // 8 + _C_STATE] = FILLING
@@ -386,7 +405,9 @@ class RegionReader:
         self.session = _safe(session)
         self._maps: dict[str, _Mapping] = {}
 
-    def _mapping(self, name: Any) -> _Mapping:
+    def _mapping(self, name: Any, missing_ok: bool = False) -> _Mapping | None:
+        """The mapping of region ``name`` (mapped now if new); None if ``missing_ok``
+        and there is no such file (its sender closed it)."""
         mapping = self._maps.get(name)
         if mapping is not None:
             return mapping
@@ -395,6 +416,10 @@ class RegionReader:
             raise ProtocolError(f"shared-memory ring {name!r} is not one of this session")
         try:
             fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+        except FileNotFoundError:
+            if missing_ok:
+                return None
+            raise ProtocolError(f"cannot open shared-memory ring {name}: no such file") from None
         except OSError as exc:
             raise ProtocolError(f"cannot open shared-memory ring {name}: {exc.strerror}") from None
         try:
@@ -415,13 +440,14 @@ class RegionReader:
         self._maps[name] = mapping
         return mapping
 
-    def claim(self, name: Any, offset: Any, nbytes: Any, gen: Any) -> Slot:
+    def claim(self, name: Any, offset: Any, nbytes: Any, gen: Any, seq: int) -> Slot:
         """The chunk a descriptor names, now HELD by us (ProtocolError if it is not valid)."""
-        return self.claim_all(name, [(offset, nbytes, gen)])[0]
+        return self.claim_all(name, [(offset, nbytes, gen)], seq)[0]
 
-    def claim_all(self, name: Any, descs: list[tuple[Any, Any, Any]]) -> list[Slot]:
+    def claim_all(self, name: Any, descs: list[tuple[Any, Any, Any]], seq: int) -> list[Slot]:
         """The chunks ``(offset, length, generation)`` of region ``name``, now HELD by
-        us; all or none: ProtocolError (and nothing written) if any is not valid."""
+        us, sent in a message of send sequence ``seq``; all or none: ProtocolError (and
+        nothing written) if any is not valid."""
         for offset, nbytes, gen in descs:
             if not (
                 type(offset) is int
@@ -433,6 +459,7 @@ class RegionReader:
             ):
                 raise ProtocolError("bad shared-memory descriptor: offset, length, generation")
         mapping = self._mapping(name)
+        assert mapping is not None  # not missing_ok: raised instead
         size_b = mapping.size_b
         for offset, nbytes, _ in descs:
             if offset % ALIGN_B or offset < DATA_OFF or offset + ALIGN_B + nbytes > size_b:
@@ -443,6 +470,7 @@ class RegionReader:
             raise ProtocolError(f"shared-memory descriptors name a chunk of {name} twice")
         w = mapping.w
         with mapping.lock:
+            top = 0  # the latest of the chunks' sequences
             for offset, nbytes, gen in descs:
                 at = offset // 8
                 if w[at + _C_GEN] != gen or w[at + _C_LEN] != nbytes:
@@ -453,6 +481,13 @@ class RegionReader:
                     raise ProtocolError(
                         f"shared-memory chunk at {offset} of {name}: not sent to us"
                     )
+                top = max(top, w[at + _C_SEQ])
+            # the sender numbers a message after its chunks, and publishes it before
+            # sending: anything else is not what it sent
+            if not top < seq <= w[_W_GIVEN]:
+                raise ProtocolError(
+                    f"shared-memory marker of {name}: send sequence {seq} is forged"
+                )
             if not mapping.take_receiver_lock():
                 # genuine descriptors (checked above) of a region another receiver has:
                 # tell the sender, which raises, and refuse them
@@ -461,17 +496,32 @@ class RegionReader:
                     f"shared-memory ring {name} has another receiver: a shm channel has "
                     f"one receiver per sender (this one, pid {mapping.pid}, is refused)"
                 )
-            pid, top = mapping.pid, 0
+            pid = mapping.pid
             for offset, _, _ in descs:
                 at = offset // 8
                 w[at + _C_HOLDER] = pid
                 w[at + _C_STATE] = HELD
-                seq = w[at + _C_SEQ]
-                if seq > top:
-                    top = seq
-            if top > w[_W_CLAIMED]:
-                w[_W_CLAIMED] = top
+            if seq > w[_W_CLAIMED]:  # after the HELD states: its chunks are never lost ones
+                w[_W_CLAIMED] = seq
         return [Slot(mapping, offset, nbytes, gen, True) for offset, nbytes, gen in descs]
+
+    def passed(self, name: Any, seq: int) -> None:
+        """A message of send sequence ``seq`` with no chunk in region ``name`` came (a
+        copy over ZeroMQ, or all inline): messages before it that did not come to us
+        were lost, so their chunks may be taken back (ProtocolError if ``seq`` is
+        forged). A second receiver of the region gets the message but changes nothing;
+        nor does a message whose region is gone."""
+        mapping = self._mapping(name, missing_ok=True)
+        if mapping is None:
+            return  # its sender closed the region: nothing left to take back
+        w = mapping.w
+        with mapping.lock:
+            if seq > w[_W_GIVEN]:
+                raise ProtocolError(
+                    f"shared-memory marker of {name}: send sequence {seq} is forged"
+                )
+            if seq > w[_W_CLAIMED] and mapping.take_receiver_lock():
+                w[_W_CLAIMED] = seq
 
     def close(self) -> None:
         """Forget the mappings; each is unmapped when its last slot goes."""

@@ -254,7 +254,7 @@ class Chaos:
         while True:
             self.pause(0.3)
             now = self.counters()
-            short = {}
+            short: dict[str, Any] = {}
             for dev in DEVICES:
                 if dev not in now or dev not in base:
                     short[dev] = "no answer"

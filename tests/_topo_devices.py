@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from evflow.runtime.device import Device
 
 
@@ -10,3 +12,14 @@ class FailsInInit(Device):
 
     def init(self) -> None:
         raise ValueError("calibration file /nonexistent/calib.db not found")
+
+
+class FailsOnStop(Device):
+    description = "runs until stopped, then fails in post_run(): a count check gone wrong"
+
+    def conditional_run(self) -> bool:
+        time.sleep(0.02)  # a busy device, at little CPU
+        return True
+
+    def post_run(self) -> None:
+        raise ValueError("received 999 of 1000 announced events")

@@ -169,3 +169,21 @@ def test_keep_ignored_leaves_an_ignored_sigint_ignored() -> None:
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+def test_after_stop_restarting_a_failure_is_final_and_waiting_restarts_are_dropped() -> None:
+    """What a topology's agent does once its controller walks the devices down."""
+    clock = {"now": 0.0}
+    with Supervisor(clock=lambda: clock["now"]) as sup:
+        waiting = sup.add(
+            ProcessSpec("a", target=_exit_with, args=(1,), restart="on-failure", backoff_s=50.0)
+        )
+        _poll_until(sup, 1)
+        assert waiting.state == "backoff"
+        assert sup.stop_restarting() == 1 and waiting.state == "stopped"
+        failing = sup.add(ProcessSpec("b", target=_exit_with, args=(1,), restart="on-failure"))
+        (event,) = _poll_until(sup, 1)
+        assert event.outcome == "stopped" and event.returncode == 1
+        assert failing.state == "stopped" and len(failing.pids) == 1 and not sup.failed
+        clock["now"] += 100.0
+        assert sup.launch_due() == [] and len(waiting.pids) == 1 and not sup.active

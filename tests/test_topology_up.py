@@ -343,3 +343,39 @@ def test_a_device_failing_at_start_up_is_one_error_with_its_own_message(tmp_path
     assert len(errors) == 1, proc.stderr
     assert "device(s) merger lost" in errors[0]
     assert "calibration file /nonexistent/calib.db not found" in errors[0]
+
+
+def test_a_device_failing_on_its_way_down_is_reported_not_restarted(tmp_path: Path) -> None:
+    """``evflow down`` with a ``restart = "on-failure"`` device that fails in post_run
+    (a sink whose counts do not add up after a restart, say): its agent used to restart
+    it while the topology stopped, and the new process, ended by END in IDLE, replaced
+    the failed one's report."""
+    topo = tmp_path / "t.toml"
+    topo.write_text(
+        'name = "fails-on-stop"\n[devices.flaky]\nclass = "_topo_devices:FailsOnStop"\n'
+        'restart = "on-failure"\n'
+    )
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    session = "failsonstop"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "evflow", "up", "--quiet", "--session", session, str(topo)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    lines = Lines(proc)
+    try:
+        lines.wait_for("devices RUNNING", 60)
+        status = json.loads(evflow("status", "--session", session, "--json").stdout)
+        pid = int(status["devices"][0]["pid"])
+        down = evflow("down", "--session", session)
+        assert down.returncode == 0, down.stderr
+        code, text = lines.finish()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()  # reaps it and closes its pipes, also after a failure
+    assert code == 0, text  # a stop asked for: a failure on the way out is reported only
+    assert "restarting flaky" not in text, text
+    report = [line for line in text.splitlines() if line.startswith("flaky (localhost): lost:")]
+    assert len(report) == 1 and "received 999 of 1000" in report[0], text
+    assert not alive(pid)

@@ -93,6 +93,7 @@ class Supervisor(StoppingMixin):
         self._callbacks: list[Callable[[ExitEvent], None]] = []
         self._started = False
         self._stopping = False
+        self._final = False  # stop_restarting(): every death from now on is final
         self._fast = False
         self._signals = 0
         self.signals: list[int] = []  # the signals received, in order
@@ -289,6 +290,14 @@ class Supervisor(StoppingMixin):
                 n += 1
         return n
 
+    def stop_restarting(self) -> int:
+        """From now on a death is final (``stopped``, never restarted): the work is being
+        stopped in order by someone else (a topology's controller walking its devices
+        down), and a process that fails on its way out is to be reported, not started
+        again. Drops the restarts waiting for their backoff; returns how many."""
+        self._final = True
+        return self.cancel_restarts()
+
     def waiting(self) -> list[ManagedProcess]:
         """Processes waiting for a delayed restart."""
         return [p for p in self.processes.values() if p.state == "backoff"]
@@ -302,7 +311,7 @@ class Supervisor(StoppingMixin):
         spec = proc.spec
         what = f"process {proc.name!r} (pid {pid}) {describe_exit(returncode)}"
         now = self.clock()
-        if self._stopping:
+        if self._stopping or self._final:
             proc.state = "stopped"
             return ExitEvent(proc.name, pid, returncode, "stopped", proc.restarts, what, now)
         if spec.decide is not None:

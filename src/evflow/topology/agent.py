@@ -168,6 +168,16 @@ class Agent:
         self._stop = True
         return {"node_id": self.node_id, "stopping": True}
 
+    def _stopping(self, args: dict[str, Any]) -> dict[str, Any]:
+        # the controller walks the devices down: one failing on its way out (a sink
+        # whose counts do not add up) is reported as it ended, not restarted into IDLE
+        waiting = [p.name for p in self.sup.waiting()]
+        self.sup.stop_restarting()
+        for name in waiting:  # no process left: the controller must not wait for its END
+            self.devices.setdefault(name, {}).update(state="stopped")
+        self._next_beat = 0.0
+        return {"node_id": self.node_id, "restarts_dropped": waiting}
+
     def _heartbeat(self, args: dict[str, Any]) -> dict[str, Any]:
         self._last_controller = time.monotonic()
         return {"node_id": self.node_id}
@@ -255,6 +265,7 @@ class Agent:
                     break
             self.client.handle("spawn", self._spawn)
             self.client.handle("shutdown", self._shutdown)
+            self.client.handle("stopping", self._stopping)
             self.client.handle("heartbeat", self._heartbeat)
             if self.steering:
                 from evflow.topology.pathworkers import PathWorkers

@@ -362,6 +362,8 @@ class Controller(StartupSteps):
         if self.bus is None:
             return
         self.phase = "stopping"
+        if not fast:
+            self._stop_restarts()
         levels = sorted({r.spec.stop_order for r in self.records.values()})
         for level in levels if not fast else ():
             # devices no agent reported yet are left to the agents' shutdown below
@@ -391,6 +393,24 @@ class Controller(StartupSteps):
         while any(h.poll() is None for h in waiting) and time.monotonic() < deadline:
             self.bus.pump(0.05)
         self.bus.pump(0.05)
+
+    def _stop_restarts(self, wait_s: float = 1.0) -> None:
+        """Tell the agents to restart nothing from now on, and wait (a little) for their
+        word before the first END goes out: a device that fails on its way down is then
+        reported as it ended, not restarted, walked down again and reported by its new
+        process (which never ran)."""
+        assert self.bus is not None
+        live = [
+            agent_id(h) for h, r in self.hosts.items()
+            if not r.lost and not r.exited and r.last_beat_s is not None
+        ]  # fmt: skip
+        if not live:
+            return
+        req = self.bus.send("stopping", live)
+        deadline = time.monotonic() + wait_s
+        while len(self.bus.replies.get(req, {})) < len(live) and time.monotonic() < deadline:
+            self.bus.pump(0.02)
+        self.bus.forget(req)
 
     def close(self) -> None:
         from evflow.transport.paths import remove_session_files

@@ -186,6 +186,7 @@ class ControllerBus:
             restarts = int(entry.get("restarts") or 0)
             if restarts > dev.restarts and process == "running":
                 dev.rewalk, dev.rank, dev.state = True, -1, "RESTARTED"
+                dev.next_step_s = 0.0  # walked at once (its first step may be resent)
             dev.restarts = restarts
 
     def _reply(self, sender: str, header: dict[str, Any]) -> None:

@@ -49,9 +49,11 @@ class DeviceRecord:
     msg_out_hz: float = 0.0
     summary: dict[str, Any] = field(default_factory=dict)
     restarts: int = 0
-    #: restarted by its agent: to be walked to RUNNING again (``next_step_s``: resend time)
+    #: restarted by its agent: to be walked to RUNNING again (``next_step_s``: resend time,
+    #: ``step_rank``: its rank when the last step went, so a reported move goes on at once)
     rewalk: bool = False
     next_step_s: float = 0.0
+    step_rank: int = -2
 
     @property
     def id(self) -> str:

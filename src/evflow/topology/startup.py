@@ -198,16 +198,22 @@ class StartupSteps:
     # --- watching --------------------------------------------------------------------
     def _rewalk(self, now: float) -> None:
         """Walk devices that their agent restarted back to RUNNING, one step at a time
-        (their own endpoints first, so that a binder binds where its peers look)."""
+        (their own endpoints first, so that a binder binds where its peers look). The
+        next step goes as soon as the device reports the last one done; a step with no
+        answer is sent again after ``_RESEND_S`` (the new process may not have been
+        subscribed to the bus yet)."""
         assert self.bus is not None
         for rec in self.records.values():
-            if not rec.rewalk or rec.process != "running" or now < rec.next_step_s:
+            if not rec.rewalk or rec.process != "running":
                 continue
+            if now < rec.next_step_s and rec.rank == rec.step_rank:
+                continue  # no word since the last step: wait for it, or resend
             if rec.rank >= RANK["RUNNING"]:
                 rec.rewalk = False
                 log.info("device %s restarted and RUNNING again", rec.id)
                 continue
             rec.next_step_s = now + _RESEND_S
+            rec.step_rank = rec.rank
             if rec.rank < 0:
                 self.bus.tell("set-properties", [rec.id], {"properties": self.bus.properties})
             for transition, target, moved in STAGES:

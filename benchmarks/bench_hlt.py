@@ -377,6 +377,9 @@ def bench_cpu(quick: bool, work_ms: float = 1.0, workers_list: tuple[int, ...] =
     )
     for workers in workers_list:
         for rate, tick, join in CPU_CASES:
+            if not rate and not work_ms:
+                print(f"{workers:>8} {'max':>9}  (no work: over before it can be sampled)")
+                continue
             r = _chain_cpu(workers, n, rate, tick, join)
             label = f"{rate:.0f} Hz" if rate else "max"
             tick_label = "auto" if tick < 0 else f"{tick:.0f}ms"

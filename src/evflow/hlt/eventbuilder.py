@@ -436,11 +436,7 @@ class EventBuilder:
             self._off[slots].copy(),
             self._release(used),
         )
-        self._done[ids & self._wmask] = ids
-        self._ev[slots] = -1
-        self.n_open -= len(slots)
-        self.open_bytes -= int(self._nbytes[slots].sum())
-        self._count_out(batch, state, present)
+        self._leave(slots, batch, state, present)
 
     def _emit_slice(self, sl: slice) -> None:
         """:meth:`_emit` of the complete events of consecutive slots ``sl`` (ascending
@@ -457,11 +453,7 @@ class EventBuilder:
             self._off[sl].copy(),
             self._release(msg.ravel()),
         )
-        self._done[ids & self._wmask] = ids
-        self._ev[sl] = -1
-        self.n_open -= len(ids)
-        self.open_bytes -= int(self._nbytes[sl].sum())
-        self._count_out(batch, BuildState.COMPLETE, None)
+        self._leave(sl, batch, BuildState.COMPLETE, None)
 
     def _release(self, used: np.ndarray) -> dict[int, Any]:
         """The buffers that the fragments of message serials ``used`` refer to; those
@@ -480,9 +472,20 @@ class EventBuilder:
                 del self._bufs[s]
         return bufs
 
-    def _count_out(self, batch: BuiltBatch, state: BuildState, present: np.ndarray | None) -> None:
-        """Counters and ``base`` after ``batch`` left construction; queue it."""
+    def _leave(
+        self,
+        where: np.ndarray | slice,
+        batch: BuiltBatch,
+        state: BuildState,
+        present: np.ndarray | None,
+    ) -> None:
+        """The slots ``where`` (an index array or a slice) hold the events of ``batch``:
+        free them, count the batch, move ``base`` on and queue it."""
         ids = batch.ids
+        self._done[ids & self._wmask] = ids
+        self._ev[where] = -1
+        self.n_open -= len(ids)
+        self.open_bytes -= int(self._nbytes[where].sum())
         c = self.counters
         c.built += len(ids)
         if state is BuildState.COMPLETE:

@@ -66,7 +66,7 @@ class RecordWriter:
         self._small = bytearray()
         # small one-frame records waiting to be framed: done for many at once, in one
         # warm loop, instead of right after each event's modules ran (cold caches)
-        self._queued: list[tuple[int, int, bytes | memoryview]] = []
+        self._queued: list[tuple[int, int, bytes | memoryview, int]] = []  # uid, flags, frame, n
         self._pending = 0
         self.records_written = 0
         self.bytes_written = 0
@@ -160,14 +160,14 @@ class RecordWriter:
                 if self._fd < 0:
                     raise ClosedError(f"record file {self.path!r} is closed")
                 queued = self._queued
-                queued.append((uid, flags, frame))
+                queued.append((uid, flags, frame, n))
                 self._uids.add(uid)
                 self._pending += RECORD_HEADER_SIZE + _ONE_FRAME.size + n
                 self.records_written += 1
-                if len(queued) >= _QUEUE_MAX or self._pending >= self.buffer_bytes:
+                if self._pending >= self.buffer_bytes:
+                    self._write_out()  # (frames the queue first)
+                elif len(queued) >= _QUEUE_MAX:
                     self._frame_queued()
-                    if self._pending >= self.buffer_bytes:
-                        self._write_out()
                 return
             if n < _SMALL:
                 self.write_record(uid, flags, _ONE_FRAME.pack(1, n) + frame)
@@ -184,8 +184,7 @@ class RecordWriter:
         queued, self._queued = self._queued, []
         small = self._small
         one, crc32 = _ONE_FRAME.pack, zlib.crc32
-        for uid, flags, frame in queued:
-            n = len(frame) if type(frame) is bytes else memoryview(frame).nbytes
+        for uid, flags, frame, n in queued:
             prefix = one(1, n)
             small += record_header(_ONE_FRAME.size + n, uid, flags, crc32(frame, crc32(prefix)))
             small += prefix

@@ -332,6 +332,10 @@ class NamespaceFarm:
         the host is lost. ``revive()`` restarts its daemons."""
         keep = set() if include_daemons else self.daemon_pids(name)
         victims = [p for p in self.pids(name) if p not in keep]
+        # all frozen first, then killed: a host dies at once. Killed one by one, a
+        # device whose agent went first got its PDEATHSIG (SIGTERM) and sent END
+        # before its own SIGKILL, which a dead host never does
+        kill_pids(victims, signal.SIGSTOP)
         kill_pids(victims)
         if include_daemons:
             self._killed.add(name)

@@ -322,3 +322,40 @@ def test_run_ordered_writes_the_events_in_input_order(tmp_path: Path) -> None:
     args = ["run", steering(tmp_path, SHUFFLED), "-p", "2", "-q", "-o", str(out), "--ordered"]
     assert main(args) == 0
     assert [s.meta.uid for s in RecordInput(file=str(out)).events()] == list(range(400))
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "said"),
+    [("return 3", 3, ""), ("raise KeyboardInterrupt", 130, "evflow: interrupted")],
+)
+def test_once_the_command_is_done_a_ctrl_c_cannot_end_it_by_signal(
+    body: str, code: int, said: str
+) -> None:
+    """The program's entry (``evflow``, ``python -m evflow``) ignores SIGINT once the
+    command returned: a Ctrl-C during the interpreter's teardown (SIGINT back at its
+    default then) ended a clean ``evflow up`` with -2 instead of its code. Here a
+    Ctrl-C sent at exit, after main() returned, changes nothing; one that lands between
+    main's return and the exit is one line and 130."""
+    script = textwrap.dedent(
+        f"""
+        import atexit, os, signal
+        import evflow.cli as cli
+
+        def main():
+            {body}
+
+        def at_exit():
+            print("sigint:", signal.getsignal(signal.SIGINT) is signal.SIG_IGN, flush=True)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        atexit.register(at_exit)
+        cli.main = main
+        cli.run()
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == code, proc.stderr
+    assert "sigint: True" in proc.stdout
+    assert proc.stderr.strip() == said

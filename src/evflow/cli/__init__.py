@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+from typing import NoReturn
 
 from evflow.errors import EvflowError, caused_by_interrupt, count_interrupts
 
@@ -67,5 +69,22 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def run() -> NoReturn:
+    """The ``evflow`` program: :func:`main`, then exit with its code.
+
+    Once the command is done there is nothing left to interrupt, so SIGINT is ignored
+    from then on: the interpreter's teardown puts the signal back to its default, and a
+    Ctrl-C arriving then would end a clean run by the signal (exit -2) instead of with
+    the command's code. (Not in :func:`main`, which tests call in-process.)"""
+    try:
+        code = main()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except KeyboardInterrupt:  # between main's return and the line above
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print("evflow: interrupted", file=sys.stderr)
+        code = 130
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

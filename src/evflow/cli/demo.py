@@ -107,9 +107,9 @@ def handle(args: argparse.Namespace) -> int:
                 args.output_dir, max_events=args.max_events, workers=args.workers,
                 quiet=args.quiet,
             )  # fmt: skip
-            result = qc.demo
+            demo = qc.demo
         else:
-            result = run_demo(
+            demo = run_demo(
                 args.output_dir, max_events=args.max_events, workers=args.workers,
                 quiet=args.quiet,
             )  # fmt: skip
@@ -117,10 +117,10 @@ def handle(args: argparse.Namespace) -> int:
         show_user_traceback(exc)
         raise
     if not args.quiet:
-        print(result.report())
-        print(f"selected events: {result.selected_root}")
-        print(f"histograms:      {result.histograms_root}")
-        print(f"plot:            {result.plot_png}")
+        print(demo.report())
+        print(f"selected events: {demo.selected_root}")
+        print(f"histograms:      {demo.histograms_root}")
+        print(f"plot:            {demo.plot_png}")
         if qc is not None:
             print(qc.report())
     return 0

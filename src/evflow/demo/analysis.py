@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -175,7 +176,7 @@ class MassHistograms(Module):
     def event(self, store: DataStore) -> bool | None:
         if not self._hists:
             self._hists = {
-                key: persistent_hist(store, key, lambda k=key, s=spec: mass_hist(k, *s))
+                key: persistent_hist(store, key, partial(mass_hist, key, *spec))
                 for key, spec in HISTOGRAMS.items()
             }
         for key, pending in self._pending.items():
@@ -217,7 +218,7 @@ class KeepBranches(Module):
     keep = Param((list, tuple), (), "store keys to keep")
 
     def initialize(self) -> None:
-        self._keep = frozenset(self.keep)
+        self._keep: frozenset[str] = frozenset(self.keep)
 
     def event(self, store: DataStore) -> bool | None:
         for key in [k for k in store if k not in self._keep]:

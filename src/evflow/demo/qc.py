@@ -102,12 +102,16 @@ class HzzQc(QcTask):
         super().end_run(run)
 
 
+def _or_dash(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
 @dataclass(frozen=True)
 class QcRow:
     path: str
-    run: int
-    cycle: int
-    events: int
+    run: int | None  # (None: the object was stored without one; shown as "-")
+    cycle: int | None
+    events: int | None
     versions: int
     quality: str
     flags: str
@@ -130,8 +134,8 @@ class QcDemoResult:
         for r in self.rows:
             flags = f"  ({r.flags})" if r.flags else ""
             lines.append(
-                f"  {r.path:<{width}}  {r.run:>4}  {r.cycle:>5}  {r.versions:>8}  "
-                f"{r.events:>7}  {r.quality}{flags}"
+                f"  {r.path:<{width}}  {_or_dash(r.run):>4}  {_or_dash(r.cycle):>5}  "
+                f"{r.versions:>8}  {_or_dash(r.events):>7}  {r.quality}{flags}"
             )
         return "\n".join(lines)
 

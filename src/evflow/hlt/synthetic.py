@@ -13,6 +13,7 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import zmq
@@ -58,7 +59,7 @@ def send_synthetic(
     rate_hz: float = 0.0,
 ) -> int:
     """Send events ``first .. first+n_events-1`` for every source in ``sources``."""
-    ctx: zmq.Context[object] = zmq.Context()
+    ctx: zmq.Context[Any] = zmq.Context()
     senders = [FragmentSender(ctx, address, s, session=session) for s in sources]
     try:
         size = max(frag_bytes, 16)
@@ -72,10 +73,10 @@ def send_synthetic(
                 delay = t0 + (start - first + len(ids)) / rate_hz - time.monotonic()
                 if delay > 0:
                     time.sleep(delay)
-        ok = all(s.end() for s in senders)
+        ok = all(sender.end() for sender in senders)
     finally:
-        for s in senders:
-            s.close()
+        for sender in senders:
+            sender.close()
         ctx.term()
     return 0 if ok else 1
 

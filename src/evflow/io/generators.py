@@ -8,7 +8,7 @@ belongs in a parallel module, not in the source).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -117,7 +117,7 @@ class ToyGenerator(Source):
 
     def encoded_batches(
         self, start: int = 0
-    ) -> Iterator[tuple[list[int], int, int, list[list[Any]]]]:
+    ) -> Iterator[tuple[list[int], int, int, Sequence[list[Any]]]]:
         """``encoded_events`` in chunks: ``(uids, experiment, run, [frames, ...])``."""
         if start < 0:
             raise ParameterError(f"source {self.name!r}: start must be >= 0, got {start}")

@@ -170,8 +170,8 @@ class MetricsStore:
             if rec.pid:  # a new process under the same id: a restart
                 rec.restarts += 1
                 rec.restarted_s = now
-                modules = [k for k in rec.metrics if k.startswith(MODULE_PREFIX)]
-                for key in (*COUNTERS, *modules):
+                module_keys = [k for k in rec.metrics if k.startswith(MODULE_PREFIX)]
+                for key in (*COUNTERS, *module_keys):
                     rec.offsets[key] = rec.offsets.get(key, 0.0) + _number(rec.metrics.get(key))
             rec.pid = pid
         host = metrics.get("host")
@@ -191,7 +191,8 @@ class MetricsStore:
                 flat[MODULE_PREFIX + str(name)[:64]] = _number(seconds)
             del flat["module_time_s"]
         rec.metrics = flat
-        rates = metrics.get("rates") if isinstance(metrics.get("rates"), dict) else {}
+        raw_rates = metrics.get("rates")
+        rates: dict[str, Any] = raw_rates if isinstance(raw_rates, dict) else {}
         sample = (  # in the order of HISTORY_KEYS
             rec.counter("events_in"),
             rec.counter("events_out"),

@@ -63,6 +63,8 @@ class QcMerger(Device):
         float, 0.0, "a source silent this long counts as gone for `inputs` (0 = never)"
     )
 
+    _next_pub: float  # when the next publication is due (monotonic)
+
     def __init__(
         self,
         *args: Any,
@@ -335,8 +337,8 @@ class QcMerger(Device):
                 first = False
                 next_send = time.monotonic() + 1.0
             if ch.poll(50):
-                msg = self._bad.decode(ch.recv())
-                if msg is not None and msg.type is MsgType.ACK and msg.header.get("end"):
+                ack = self._bad.decode(ch.recv())
+                if ack is not None and ack.type is MsgType.ACK and ack.header.get("end"):
                     return
         log.error(
             "%s: END on %s not acknowledged within %.1f s", self.id, ch.label, self.ack_timeout_s

@@ -266,7 +266,7 @@ class Repository:
         return self._latest_info(path, at=at, run=run)
 
     def _latest_info(self, path: str, *, at: float | None, run: int | None) -> VersionInfo | None:
-        where, args = ["path = ?"], [path]
+        where, args = ["path = ?"], list[Any]([path])
         if run is not None:
             where.append("run = ?")
             args.append(int(run))
@@ -314,7 +314,8 @@ class Repository:
 
     def qualities(self, check: str | None = None, *, run: int | None = None) -> list[StoredQuality]:
         """Stored check and aggregator results (of one check, one run), newest first."""
-        where, args = ["1"], []
+        where: list[str] = ["1"]
+        args: list[Any] = []
         if check is not None:
             where.append("check_name = ?")
             args.append(check)
@@ -379,7 +380,8 @@ def _quality_columns(quality: QualityObject | Quality | None) -> tuple[str | Non
 def _version(row: tuple[Any, ...]) -> VersionInfo:
     head, (flags, meta, comp), tail = row[:10], row[10:13], row[13:]
     parsed = (flags_from_json(flags), json.loads(meta), json.loads(comp))
-    return VersionInfo(*head, *parsed, *tail)
+    fields: list[Any] = [*head, *parsed, *tail]
+    return VersionInfo(*fields)
 
 
 def _quality(row: tuple[Any, ...]) -> StoredQuality:

@@ -95,7 +95,7 @@ class QcRepositoryDevice(Device):
             retention["keep_last"] = self.keep_last
         if self.max_age_s:
             retention["max_age_s"] = self.max_age_s
-        self._lock = lock_writer(Path(self.repo))
+        self._lock: IO[bytes] | None = lock_writer(Path(self.repo))
         try:
             self.writer = RepositoryWriter.open(
                 self.repo,

@@ -61,12 +61,12 @@ def completeness_record(self: MergeState) -> dict[str, Any]:
         for key in ("seen", "missing", "ended"):
             record[key] = sorted({s for up in upstream for s in up.get(key, [])})
         record["missing"] = sorted(set(record["missing"]) | missing)
-        exp = [up.get("expected") for up in upstream]
+        exp: list[Any] = [up.get("expected") for up in upstream]
         if all(isinstance(e, list) for e in exp):
-            expected = sorted({s for e in exp for s in e})  # type: ignore[union-attr]
+            expected = sorted({s for e in exp for s in e})
             n_expected = len(expected)
         else:
-            n_expected = sum(e if isinstance(e, int) else len(e) for e in exp)  # type: ignore[arg-type]
+            n_expected = sum(e if isinstance(e, int) else len(e) for e in exp)
             expected = n_expected
         record["expected"] = expected
         record["events_by_source"] = {

@@ -94,6 +94,7 @@ class RepositoryWriter:
         """Open (or create) the repository at ``path`` with checks from a suite, a dict
         or a TOML file; ``close()`` closes the repository again."""
         repo = Repository(path, retention=retention)
+        suite: CheckSuite | None
         try:
             if isinstance(checks, str | Path):
                 suite = CheckSuite.from_toml(checks, repository=repo)

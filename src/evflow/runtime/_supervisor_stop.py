@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from evflow.runtime._devicestop import walk_down
 from evflow.runtime.processes import ExitEvent, ManagedProcess
@@ -36,7 +36,13 @@ class StoppingMixin:
     _want_bus: bool
     _context: Any
     _controller: Any
-    active: bool
+    failed: list[ExitEvent]
+
+    if TYPE_CHECKING:  # a property of the Supervisor
+
+        @property
+        def active(self) -> bool: ...
+
     bus_endpoints: Any
     start: Callable[[], Any]
     poll: Callable[[float], list[ExitEvent]]
@@ -63,7 +69,7 @@ class StoppingMixin:
         background must not stop on the terminal's Ctrl-C), and outside the main thread
         nothing is installed.
         """
-        sigs = (signal.SIGINT, signal.SIGTERM)
+        sigs: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)
         if keep_ignored:
             if threading.current_thread() is not threading.main_thread():
                 return lambda: None

@@ -22,7 +22,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -306,7 +306,7 @@ class BusClient:
         sub = self._sub.socket
         # EVENTS, not a NOBLOCK recv's zmq.Again, says "nothing more" (the raise costs
         # about three times the check, at every tick of every node)
-        while not self.closed and sub.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while not self.closed and cast(int, sub.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             try:
                 frames = self._sub.recv(zmq.NOBLOCK)
             except zmq.Again:  # (not expected: this thread is the only reader)

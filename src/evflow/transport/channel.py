@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -206,7 +206,7 @@ class Channel:
     def readable(self) -> bool:
         """True if :meth:`recv` has a message now. Cheaper than reading until
         ``zmq.Again`` (a raised exception) to learn that the socket is empty."""
-        return self.pending > 0 or bool(self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        return self.pending > 0 or bool(cast(int, self.socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
     def statistics(self) -> ChannelStats:
         return ChannelStats(

@@ -183,7 +183,7 @@ class CurveOptions:
     allow: str = ""
 
 
-_FAILED_EVENTS = {
+_FAILED_EVENTS: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed (protocol: plaintext peer or "
     "wrong server key?)",

@@ -123,7 +123,7 @@ def parent_of(pid: int) -> int | None:
 def is_alive(pid: int) -> bool:
     """True while ``pid`` runs (a zombie is dead: it only waits to be reaped)."""
     fields = _stat(pid) if pid > 0 else None
-    return bool(fields) and fields[0] != b"Z"
+    return fields is not None and len(fields) > 0 and fields[0] != b"Z"
 
 
 def is_sibling(pid: int) -> bool:

@@ -56,7 +56,7 @@ class OutMessage:
     @property
     def data(self) -> memoryview:
         """The writable bytes (a ``memoryview`` of ``nbytes`` unsigned bytes)."""
-        return memoryview(self.array())
+        return self.array().data
 
     def array(self, dtype: Any = np.uint8) -> np.ndarray:
         """The buffer as a writable 1-d numpy array of ``dtype`` (no copy)."""
@@ -106,7 +106,7 @@ class InMessage:
     @property
     def data(self) -> memoryview:
         """The bytes, read-only, no copy."""
-        return memoryview(self.array())
+        return self.array().data
 
     def array(self, dtype: Any = np.uint8) -> np.ndarray:
         """The bytes as a read-only 1-d numpy array of ``dtype`` (no copy)."""

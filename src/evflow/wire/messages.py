@@ -194,11 +194,10 @@ def field_int(header: dict[Any, Any], key: str, lo: int = 0, hi: int = I64_MAX) 
 def field_float(header: dict[Any, Any], key: str, lo: float = 0.0, hi: float = 1e9) -> float:
     """``header[key]`` as a finite number in ``[lo, hi]``."""
     value = header.get(key)
-    if type(value) not in (int, float) or not lo <= value <= hi:  # (NaN fails too)
-        raise _bad(
-            "bad-field", f"field {key!r} is {_short(value)}; expected a number in [{lo}, {hi}]"
-        )
-    return float(value)
+    # (not isinstance: a bool is no number here; NaN fails the range)
+    if (type(value) is int or type(value) is float) and lo <= value <= hi:
+        return float(value)
+    raise _bad("bad-field", f"field {key!r} is {_short(value)}; expected a number in [{lo}, {hi}]")
 
 
 def field_str(header: dict[Any, Any], key: str, max_len: int = 256) -> str:

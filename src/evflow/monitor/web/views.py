@@ -16,7 +16,8 @@ STALE_S = 5.0
 
 def device_row(rec: NodeRecord, now: float) -> dict[str, Any]:
     m = rec.metrics
-    rates = m.get("rates") if isinstance(m.get("rates"), dict) else {}
+    raw_rates = m.get("rates")
+    rates: dict[str, Any] = raw_rates if isinstance(raw_rates, dict) else {}
     fill = None
     cap = _number(m.get("receive_buffer_capacity"))
     if cap > 0:

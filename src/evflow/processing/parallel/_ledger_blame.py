@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from evflow.errors import InternalError
 from evflow.processing.parallel._ledger_records import (
@@ -52,7 +52,7 @@ class LedgerBlame:
     _entries: dict[int, Any]
     _by_worker: dict[Hashable, dict[int, LedgerEntry]]
     _progress_s: dict[Hashable, float]
-    _unfinished: dict[Hashable, deque[list[int]]]
+    _unfinished: dict[Hashable, deque[list[Any]]]
     _wbatches: dict[Hashable, dict[int, _Batch]]
     _tracking: bool
     _pending: int
@@ -62,6 +62,15 @@ class LedgerBlame:
     _failures: int
     _timeouts: int
     _poisoned: int
+
+    if TYPE_CHECKING:  # the ledger's own, which these rules use
+
+        def _materialize(self, batch: _Batch) -> list[LedgerEntry]: ...
+        def _materialize_worker(self, worker: Hashable) -> None: ...
+        def _entry(self, uid: int) -> LedgerEntry | None: ...
+        def entries(self) -> list[LedgerEntry]: ...
+        def _new_send(self, worker: Hashable, n_events: int) -> int: ...
+        def _worker_dict(self, worker: Hashable) -> dict[int, LedgerEntry]: ...
 
     def progress(
         self, worker: Hashable, now: float | None = None, n_events: int | None = None

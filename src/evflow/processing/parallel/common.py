@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import gc
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -158,7 +158,7 @@ def run_role(
     finally:
         bus.close()
         for ch in channels:
-            ch.close(linger_ms=ch.socket.linger)
+            ch.close(linger_ms=cast(int, ch.socket.linger))
         if zap is not None:
             zap.close()
         ctx.term()

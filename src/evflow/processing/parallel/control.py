@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -44,7 +44,7 @@ class ControlMixin:
     def _drain_ctl(self) -> None:
         # ask EVENTS first: on an empty socket a NOBLOCK recv raises zmq.Again, which
         # costs about three times the check (and this runs at every wake-up)
-        while self.ctl.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while cast(int, self.ctl.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             try:
                 frames = self.ctl.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:  # (only this thread reads ctl: not expected)

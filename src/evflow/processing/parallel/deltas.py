@@ -183,7 +183,8 @@ class DeltaEncoder:
                 v = value.item() if isinstance(value, np.generic) else value
                 items.append([name, "num", v])
                 if reset:
-                    objects[name] = type(value)(0)
+                    zero: Any = type(value)  # (int, float or a numpy scalar type)
+                    objects[name] = zero(0)
         if not items:
             return None
         frames[0] = msgpack.packb({"v": DELTA_VERSION, "items": items})

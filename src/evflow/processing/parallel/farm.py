@@ -306,10 +306,10 @@ class FarmParent(Parent):
         input_done = not self._alive("input")
         if host.alive:
             gone = host.handle is not None and host.handle.poll() is not None
-            silent = host.last_beat_s is not None and now - host.last_beat_s > self.host_lost_s
-            if gone or silent:
+            quiet_s = 0.0 if host.last_beat_s is None else now - host.last_beat_s
+            if gone or quiet_s > self.host_lost_s:
                 self._host_lost(name, host, now, "its agent ended" if gone else
-                                f"no heartbeat for {now - host.last_beat_s:.1f} s")  # fmt: skip
+                                f"no heartbeat for {quiet_s:.1f} s")  # fmt: skip
                 return
             if not host.spawned and self.endpoints and not ending and not input_done:
                 host.spawned = True

@@ -21,6 +21,7 @@ def plan_hosts(options: ProcessOptions) -> tuple[dict[str, Any], dict[str, int]]
     from evflow.topology.hosts import load_hosts, parse_hosts
 
     source = options.hosts
+    table: Any  # the [hosts] table, or whatever a broken file holds there
     if isinstance(source, dict):
         table, name = source, "hosts="
     else:

@@ -161,11 +161,14 @@ def read_encoded(
     except Exception as exc:
         source = role.source
         raise ModuleError(source.name, "events", None, exc, user_traceback(exc)) from exc
-    enc = _packed(parts, got) if role.sizer.packed else None
-    if enc is None:
-        enc = []
+    packed = _packed(parts, got) if role.sizer.packed else None
+    if packed is not None:
+        enc: Sequence[Any] = packed
+    else:
+        flat: list[Any] = []
         for frames, offset, end in parts:
-            enc += frames[offset:end]
+            flat += frames[offset:end]
+        enc = flat
     stats = chain.stats
     stats.calls[0] += got
     stats.time_s[0] += time.perf_counter() - t0

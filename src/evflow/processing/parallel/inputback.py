@@ -123,6 +123,7 @@ class BackMixin:
         self.resend.replace(e for e in entries if not e.poisoned)
         self.unsent_quarantine += [e for e in entries if e.poisoned]
         if self.end_for_output is not None:  # it died after END: the new one needs it
+            assert self.output_id is not None  # (set by the HELLO that told us)
             self.back.send_multipart([self.output_id, *self.end_for_output])
 
     def _order_start(self) -> dict[str, Any]:

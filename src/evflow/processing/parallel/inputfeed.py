@@ -11,7 +11,8 @@ because this is the hot path: what costs the input CPU per event is all here.
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 import numpy as np
 import zmq
@@ -41,7 +42,12 @@ class Batch:
     __slots__ = ("attempt", "enc", "n", "packed", "positions", "seqs", "uids")
 
     def __init__(
-        self, enc: list[Any], uids: list[int], positions: list[int], seqs: bytes, packed: bool
+        self,
+        enc: Sequence[Any],
+        uids: list[int],
+        positions: list[int],
+        seqs: bytes,
+        packed: bool,
     ) -> None:
         self.enc = enc
         self.uids = uids
@@ -242,7 +248,7 @@ class FeedMixin:
         else:
             payload = pack_batch(batch.enc, header, batch.packed)
         if batch.packed and payload:  # the ledger keeps the sent bytes, not the chunks
-            batch.enc = PackedEvents(payload[0], header["n"], header["l"])
+            batch.enc = PackedEvents(payload[0], cast(bytes, header["n"]), cast(bytes, header["l"]))
         self.router.send_multipart(
             [ident, *encode_message(MsgType.EVENTS, header, payload)],
             copy=placed is not None or not self.sizer.zero_copy,  # (shm: small frames only)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -21,7 +21,7 @@ from evflow.errors import ModuleError
 from evflow.processing.failures import FailureLog
 from evflow.processing.parallel.batching import BatchSizer
 from evflow.processing.parallel.inputfeed import WorkerSlot
-from evflow.processing.parallel.ledger import Failure, Ledger
+from evflow.processing.parallel.ledger import Failure, Ledger, LedgerEntry
 from evflow.processing.parallel.resend import ResendQueue
 from evflow.processing.parallel.roster import Roster
 from evflow.transport.security import is_sibling
@@ -67,6 +67,11 @@ class WorkersMixin:
     end_sent: bool
     stopping: bool
     abort: bool
+
+    if TYPE_CHECKING:  # the input's own (inputback.BackMixin)
+
+        def _end_message(self) -> list[Any]: ...
+        def _quarantine(self, entries: list[LedgerEntry]) -> None: ...
 
     def _on_worker(self, frames: list[bytes]) -> None:
         ident = frames[0]

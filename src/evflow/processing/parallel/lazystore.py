@@ -252,8 +252,8 @@ class ReceivedBatch:
             self._ends = ends.tolist()
             self._starts = (ends - self._lengths).tolist()
             self._first = [*self._heads.tolist(), len(self._ends)]
-        blob, starts, ends = self._blob, self._starts, self._ends
-        return [blob[starts[k] : ends[k]] for k in range(self._first[i], self._first[i + 1])]
+        blob, starts, stops = self._blob, self._starts, self._ends
+        return [blob[starts[k] : stops[k]] for k in range(self._first[i], self._first[i + 1])]
 
     def meta(self, i: int) -> EventMeta:
         """A new ``EventMeta`` of event ``i``, carrying the batch's attempt."""

@@ -69,8 +69,9 @@ class Ledger(LedgerBlame):
         self._entries: dict[int, Any] = {}  # uid -> LedgerEntry, or its _Batch
         self._by_worker: dict[Hashable, dict[int, LedgerEntry]] = {}
         self._progress_s: dict[Hashable, float] = {}
-        # per worker, its messages not yet finished, in order: [send number, events]
-        self._unfinished: dict[Hashable, deque[list[int]]] = {}
+        # per worker, its messages not yet finished, in order: [send number, events,
+        # when sent]
+        self._unfinished: dict[Hashable, deque[list[Any]]] = {}
         self._tracking = False  # progress() has been told event counts (READY)
         self._next_send = 1
         self._wbatches: dict[Hashable, dict[int, _Batch]] = {}  # worker -> send -> batch

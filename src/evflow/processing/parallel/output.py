@@ -132,7 +132,7 @@ class _Output:
         self.back = channels[2].socket
         self.ordered = bool(options.get("ordered"))
         self.chain = ModuleChain(current_split().output, process="output")
-        self.writers = self.chain.writers()
+        self.writers: list[Any] = self.chain.writers()  # (each has flush())
         self.no_modules = not self.chain.modules
         # where quarantined events go (raw): see quarantine_writers()
         self.raw_writers, extra = quarantine_writers(self.writers, options.get("quarantine_file"))
@@ -355,7 +355,7 @@ class _Output:
         decode = reasons is None and not self.no_modules
         j = 0
         for i, uid in enumerate(uids):
-            frames = None
+            frames: Any = None
             if kept[i]:
                 frames = events[j]
                 j += 1

@@ -251,7 +251,9 @@ class _Worker:
         elif kept_mask:
             body = pack_batch(kept, out, packed=header["p"])
             large = (
-                not header["p"] and len(body) and frames_nbytes(body) >= ZERO_COPY_MIN_B * len(kept)
+                not header["p"]
+                and len(body) > 0
+                and frames_nbytes(body) >= ZERO_COPY_MIN_B * len(kept)
             )
         # what this batch filled in store.persistent goes with its results (deltas.py);
         # a batch with no result left (every event failed) drops it: failed events'

@@ -49,7 +49,9 @@ class Sampler(Device):
             payload = zmq.Frame(payload)
         self._out = self.channel(self.channel_name)
         # raw framing: the payload alone, as a FairMQ sampler sends it
-        self._frames = outgoing(self._out, MsgType.EVENTS, None, (payload,))
+        frames = outgoing(self._out, MsgType.EVENTS, None, (payload,))
+        assert frames is not None  # (EVENTS with a payload always has frames)
+        self._frames = frames
         self._payload = memoryview(payload)
         self.sent = 0
         self.acked = 0
@@ -64,7 +66,9 @@ class Sampler(Device):
         # a new buffer per message, filled in place, sent without a copy
         msg = self._out.new_message(self.msg_size, wait_s=self.ack_timeout_s)
         msg.data[:] = self._payload
-        return outgoing(self._out, MsgType.EVENTS, None, (msg,))
+        frames = outgoing(self._out, MsgType.EVENTS, None, (msg,))
+        assert frames is not None
+        return frames
 
     def conditional_run(self) -> bool:
         # waits for a peer, but not past a stop request (a sink that never came)

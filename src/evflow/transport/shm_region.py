@@ -440,10 +440,6 @@ class RegionReader:
         self._maps[name] = mapping
         return mapping
 
-    def claim(self, name: Any, offset: Any, nbytes: Any, gen: Any, seq: int) -> Slot:
-        """The chunk a descriptor names, now HELD by us (ProtocolError if it is not valid)."""
-        return self.claim_all(name, [(offset, nbytes, gen)], seq)[0]
-
     def claim_all(self, name: Any, descs: list[tuple[Any, Any, Any]], seq: int) -> list[Slot]:
         """The chunks ``(offset, length, generation)`` of region ``name``, now HELD by
         us, sent in a message of send sequence ``seq``; all or none: ProtocolError (and

@@ -14,6 +14,8 @@ the bus (:mod:`evflow.topology.protocol`):
    CONTROLLER_LOST_S stops everything here;
 5. ``shutdown`` / SIGTERM / SIGINT: devices get SIGTERM (their orderly FairMQ walk) in
    stop order, SIGKILL after the grace; the host session's ipc files and shm go too.
+   ``shutdown`` with ``kill`` (this host was declared lost and came back): SIGKILL at
+   once, no walk.
 
 The agent dies -> its zygote and devices die (PDEATHSIG), and the controller notices
 the missing heartbeat.
@@ -110,6 +112,7 @@ class Agent:
         self.devices: dict[str, dict[str, Any]] = {}
         self.preflight: dict[str, Any] = {}
         self._stop = False
+        self._kill = False  # shutdown with kill: SIGKILL the devices, no orderly walk
         self._signals = 0
         self._last_controller = time.monotonic()
         self._next_beat = 0.0
@@ -165,6 +168,12 @@ class Agent:
 
     def _shutdown(self, args: dict[str, Any]) -> dict[str, Any]:
         self.grace_s = float(args.get("grace_s", self.grace_s))
+        if args.get("kill") and not self._kill:
+            # this host was declared lost (a cut link that came back): its devices must
+            # not finish their streams as if nothing happened, not even with an END
+            log.error("agent %s: the controller declared this host lost; killing its "
+                      "devices", self.host)  # fmt: skip
+            self._kill = True
         self._stop = True
         return {"node_id": self.node_id, "stopping": True}
 
@@ -275,7 +284,7 @@ class Agent:
                 self.client.handle("kill-worker", workers.kill)
             self._loop()
         finally:
-            self.sup.shutdown(fast=self._signals > 1)
+            self.sup.shutdown(fast=self._signals > 1 or self._kill)
             self.sup.close()
             if self.client is not None:
                 self._next_beat = 0.0

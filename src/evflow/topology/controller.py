@@ -51,6 +51,9 @@ from evflow.topology.walk import StartupWalk
 
 log = logging.getLogger("evflow.topology")
 
+#: a lost host that keeps beating after it was told to shut down is told again after
+FENCE_AGAIN_S = 0.5
+
 
 #: (transition, state reached once it is done, first state after the transition)
 class Interrupted(EvflowError):
@@ -230,6 +233,7 @@ class Controller(StartupSteps):
                 self.bus.tell("heartbeat", live)
         if not starved:
             self._check_hosts(now)
+        self._fence_returned(now)
         self._check_losses()
         if self.phase == "running":
             self._rewalk(now)
@@ -258,7 +262,7 @@ class Controller(StartupSteps):
             if self.phase == "stopping" and code is not None:
                 rec.exited = True
                 continue
-            rec.lost = True
+            rec.lost, rec.lost_at_s = True, now
             why = (
                 f"its agent exited with code {code}"
                 if code is not None
@@ -273,6 +277,34 @@ class Controller(StartupSteps):
                 why,
                 ", ".join(d.id for d in gone) or "none",
             )
+
+    def _fence_returned(self, now: float) -> None:
+        """A lost host heard again (its link came back) must not run on: its devices
+        were given up, their consumers told ``peer-lost``, and data they still sent would
+        count where it no longer belongs. Its agent is told to kill them (no orderly
+        END) and exit; told again while it keeps beating."""
+        for name, rec in self.hosts.items():
+            if not rec.lost or rec.lost_at_s is None or rec.last_beat_s is None:
+                continue
+            if rec.last_beat_s <= (rec.fenced_at_s or rec.lost_at_s):
+                continue  # silent since the loss (or since it was told)
+            if rec.fenced_at_s is not None and now - rec.fenced_at_s < FENCE_AGAIN_S:
+                continue
+            handle = self.handles.get(name)
+            if handle is not None and handle.poll() is not None:
+                continue  # its agent is gone already
+            if rec.fenced_at_s is None:
+                gone = [d.id for d in self.records.values() if d.host == name and d.lost]
+                log.warning(
+                    "host %r came back %.1f s after it was lost: device(s) %s stay lost; "
+                    "its agent is told to kill them and exit",
+                    name,
+                    rec.last_beat_s - rec.lost_at_s,
+                    ", ".join(gone) or "none",
+                )
+            rec.fenced_at_s = now
+            assert self.bus is not None
+            self.bus.tell("shutdown", [agent_id(name)], {"grace_s": 0.0, "kill": True})
 
     def _check_losses(self) -> None:
         assert self.bus is not None

@@ -9,7 +9,9 @@ ids cannot contain a dot), devices use their resolved ids (``sampler_3``).
 controller -> agent (COMMAND, REPLY expected)
     ``spawn {devices: [resolved device], connect_timeout_s, stats_dir}`` -> ``{pids}``;
     ``shutdown {grace_s}``: stop every device (bus END, then SIGKILL after the grace),
-    remove the host's ipc files and shm segments, exit.
+    remove the host's ipc files and shm segments, exit. ``shutdown {grace_s, kill:
+    true}``: SIGKILL every device at once (sent to an agent heard again after its host
+    was declared lost: its devices stay lost and must not end their streams).
 controller -> agents (COMMAND, no answer needed)
     ``heartbeat {}`` every CONTROLLER_BEAT_S: an agent that hears none for
     CONTROLLER_LOST_S stops its devices and exits (the controller is gone). Every

@@ -103,6 +103,10 @@ class HostRecord:
     preflight: dict[str, Any] = field(default_factory=dict)
     #: a silent agent is pinged once before it is called lost (a dropped heartbeat)
     probe_until_s: float | None = None
+    #: when it was declared lost, and when its agent, heard again after that (a cut
+    #: link that came back), was last told to kill its devices and exit
+    lost_at_s: float | None = None
+    fenced_at_s: float | None = None
 
 
 def violations(groups: list[Group], records: dict[str, DeviceRecord]) -> list[str]:

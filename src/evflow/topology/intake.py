@@ -230,7 +230,8 @@ class ControllerBus:
 
     def _command(self, sender: str, header: dict[str, Any]) -> None:
         cmd = str(header.get("cmd"))
-        args = header.get("args") if isinstance(header.get("args"), dict) else {}
+        raw_args = header.get("args")
+        args: dict[str, Any] = raw_args if isinstance(raw_args, dict) else {}
         if cmd == "set-property":
             self._endpoints(args.get("endpoints"))
             return

@@ -334,6 +334,9 @@ def _report(client: BusClient, launch: ResolvedDevice, device: Any, stats_dir: s
         except OSError as exc:
             log.error("device %s: cannot write %s: %s", launch.id, path, exc)
     final_state = str(device.fsm.state) if device is not None else "ERROR"
-    header = {"from": launch.id, "metrics": {"node_id": launch.id, "node_state": final_state}}
+    header: dict[str, Any] = {
+        "from": launch.id,
+        "metrics": {"node_id": launch.id, "node_state": final_state},
+    }
     header.update(summary=summary, error=error, final=True)
     client.publish(MsgType.METRICS, header)

@@ -182,8 +182,8 @@ def resolve(spec: TopologySpec) -> ResolvedTopology:
         h: spec.hosts.get(h) or (local_host() if h == LOCALHOST else None)
         for h in {h for insts in instances.values() for _, h, _ in insts}
     }
-    for name, host in host_specs.items():
-        if host is None:  # checked by the spec already; kept for hand-built specs
+    for name, found in host_specs.items():
+        if found is None:  # checked by the spec already; kept for hand-built specs
             raise ConfigurationError(f"{spec.source}: unknown host {name!r}")
     hosts_ok: dict[str, HostSpec] = {k: v for k, v in host_specs.items() if v is not None}
 

@@ -180,7 +180,8 @@ class BusRefusals:
             if replies:
                 bus.forget(self._req)
                 self._req = None
-                data = next(iter(replies.values()), {}).get("data") or {}
+                reply: dict[str, Any] = next(iter(replies.values()), {})
+                data = reply.get("data") or {}
                 for item in data.get("refusals") or []:
                     self._judge(str(item.get("peer", "")), str(item.get("reason", "")), missing)
         if self._req is None and time.monotonic() >= self._next_s:

@@ -107,6 +107,17 @@ def sent(found: dict[str, dict[str, Any]], dev: str) -> int:
     return int(found[dev]["sampler"]["sent"])
 
 
+def check_rest_delivered(found: dict[str, dict[str, Any]], messages: int) -> dict[str, Any]:
+    """h1's samplers sent everything and had their END acknowledged; the merger forwarded
+    all it took and the sink got all it was announced. Returns the merger's figures."""
+    for dev in KEPT:
+        assert sent(found, dev) == messages and found[dev]["sampler"]["acked"] == 1
+    merger: dict[str, Any] = found["merger"]["forwarded"]
+    sink = found["sink"]["sink"]
+    assert sink["received"] == sink["announced"] == merger["sent"][0] == merger["received"]
+    return merger
+
+
 def test_short_link_cut_loses_nothing(farm: NamespaceFarm, tmp_path: Path) -> None:
     """0.5 s without a link (the heartbeat timeout is 1.2 s): TCP resends what was sent
     meanwhile; no host or device is lost and every message arrives."""
@@ -166,18 +177,13 @@ def test_long_link_cut_loses_the_host_and_a_returning_host_is_shut_down(
     found = stats(out)
     for dev in LOST:  # killed on return: no clean end, no acknowledged END
         assert dev not in found or found[dev]["sampler"]["acked"] == 0, found[dev]
-    for dev in KEPT:
-        assert sent(found, dev) == messages and found[dev]["sampler"]["acked"] == 1
-    merger = found["merger"]["forwarded"]
+    merger = check_rest_delivered(found, messages)
     assert merger["lost_peers"] == list(LOST)
-    assert merger["received"] == merger["sent"][0]  # everything taken was forwarded
     from_lost = merger["received"] - sum(sent(found, d) for d in KEPT)
     alive_s = empty_at - running_at + 0.5  # they ran from just before RUNNING was shown
     print(f"the merger took {from_lost} messages from the lost samplers (alive {alive_s:.1f} s)")
     assert 0 <= from_lost <= len(LOST) * (RATE_HZ * alive_s + 1), (from_lost, alive_s)
-    sink = found["sink"]["sink"]
-    assert sink["received"] == sink["announced"] == merger["sent"][0]
-    assert sink["lost_peers"] == []
+    assert found["sink"]["sink"]["lost_peers"] == []
     assert_clean(farm)
 
 
@@ -260,12 +266,7 @@ def test_link_cut_longer_than_the_controller_lost_time_clears_the_host_while_cut
     assert code == 0, text
     assert "came back" not in text, text  # nothing was left to come back
     found = stats(out)
-    for dev in KEPT:
-        assert sent(found, dev) == messages and found[dev]["sampler"]["acked"] == 1
-    merger = found["merger"]["forwarded"]
-    assert merger["lost_peers"] == list(LOST)
-    sink = found["sink"]["sink"]
-    assert sink["received"] == sink["announced"] == merger["sent"][0] == merger["received"]
+    assert check_rest_delivered(found, messages)["lost_peers"] == list(LOST)
     assert_clean(farm)
 
 
@@ -304,9 +305,5 @@ def test_killed_agent_alone_is_a_lost_host(farm: NamespaceFarm, tmp_path: Path) 
         assert f"{dev} (h2): lost" in text, text
     assert code == 0, text
     found = stats(out)
-    for dev in KEPT:
-        assert sent(found, dev) == messages and found[dev]["sampler"]["acked"] == 1
-    merger = found["merger"]["forwarded"]
-    sink = found["sink"]["sink"]
-    assert sink["received"] == sink["announced"] == merger["sent"][0] == merger["received"]
+    check_rest_delivered(found, messages)
     assert_clean(farm)

@@ -116,7 +116,7 @@ def _sender(conf: dict[str, int], keys: tuple[bytes, ...] | None, n: int, size: 
     payload = os.urandom(size)
     copy = not conf.get("zero_copy")
     for i in range(n):
-        socks[i % len(socks)].send(payload, copy=copy)
+        socks[i % len(socks)].send(payload, 0, copy)
     for sock in socks:
         sock.close(-1)
     context.term()

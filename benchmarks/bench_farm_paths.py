@@ -45,6 +45,14 @@ evflow.process(evflow.Path([ToyGenerator(n_events=n, payload_bytes=size), BusyWo
 """
 
 
+def _figure(pattern: str, text: str) -> float:
+    """The number ``pattern``'s group matches in a run's output."""
+    found = re.search(pattern, text)
+    if found is None:
+        raise SystemExit(f"no {pattern!r} in the run's output:\n{text[-2000:]}")
+    return float(found.group(1))
+
+
 def run(tmp: Path, env: dict[str, str], n: int, size: int, extra: list[str]) -> dict[str, float]:
     out = tmp / "out.evr"
     argv = [sys.executable, "-m", "evflow", "run", str(tmp / "steer.py"), *extra,
@@ -52,8 +60,8 @@ def run(tmp: Path, env: dict[str, str], n: int, size: int, extra: list[str]) -> 
     proc = subprocess.run(argv, env=env, cwd=tmp, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise SystemExit(f"run failed: {proc.stderr[-2000:]}")
-    wall = float(re.search(r"written, \d+ dropped events in ([\d.]+) s", proc.stdout).group(1))
-    first = float(re.search(r"start-up to first event \(s\): ([\d.]+)", proc.stdout).group(1))
+    wall = _figure(r"written, \d+ dropped events in ([\d.]+) s", proc.stdout)
+    first = _figure(r"start-up to first event \(s\): ([\d.]+)", proc.stdout)
     for f in tmp.glob("out.evr*"):
         f.unlink()
     return {"rate": n / max(wall - first, 1e-9), "startup_s": first, "wall_s": wall}
@@ -91,7 +99,7 @@ def speedup(farm: NamespaceFarm, tmp: Path, env: dict[str, str], n: int, repeat:
             raise SystemExit(f"run failed: {proc.stderr[-2000:]}")
         for f in tmp.glob("s.evr*"):
             f.unlink()
-        wall = float(re.search(r"dropped events in ([\d.]+) s", proc.stdout).group(1))
+        wall = _figure(r"dropped events in ([\d.]+) s", proc.stdout)
         first = re.search(r"start-up to first event \(s\): ([\d.]+)", proc.stdout)
         return wall - (float(first.group(1)) if first else 0.0)
 

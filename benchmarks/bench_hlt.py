@@ -71,7 +71,7 @@ GROUPS = [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
 
 
 def build_rate(frag_bytes: int, batch: int, n_events: int) -> dict[str, float]:
-    ctx: zmq.Context[object] = zmq.Context()
+    ctx: zmq.Context[Any] = zmq.Context()
     b = EventBuilder(BuilderConfig(sources=range(12), timeout_s=10.0, max_events=8192))
     recv = FragmentReceiver(ctx, b, "tcp://127.0.0.1:0", credit=32)
     procs = [
@@ -264,7 +264,12 @@ def _cpu_chain(
         ]
     )
     stats = os.path.join(out_dir, "builder.json")
-    cfg = {"address": address, "sources": "4", "timeout_s": 2.0, "stats_file": stats}
+    cfg: dict[str, Any] = {
+        "address": address,
+        "sources": "4",
+        "timeout_s": 2.0,
+        "stats_file": stats,
+    }
     if join == "builder":  # the pieces joined as bytes in the builder, decoded on demand
         modules: list[Any] = [EventBuilderInput(merge=join_fragments, **cfg)]
     else:  # the pieces decoded and joined by a module in the workers
@@ -273,10 +278,10 @@ def _cpu_chain(
     modules.append(MeteredWork(work_ms=work_ms, meter_dir=out_dir))
     modules.append(RecordOutput(file=os.path.join(out_dir, "out.evr"), fsync=False))
     path = evflow.Path(modules)
-    s = evflow.process(path, workers=workers, quiet=True)
+    run = evflow.process(path, workers=workers, quiet=True)
     replay.wait()
-    calls = sum(m.calls for m in s.modules if m.module == "MeteredWork")
-    Path(out_dir, "chain.json").write_text(json.dumps({"busy_calls": calls, "wall_s": s.wall_s}))
+    calls = sum(m.calls for m in run.modules if m.module == "MeteredWork")
+    Path(out_dir, "chain.json").write_text(json.dumps({"busy_calls": calls, "wall_s": run.wall_s}))
 
 
 def _role(name: str, pid: int, child: int) -> str:
@@ -429,7 +434,7 @@ def _shm_child(role: str, mode: str, size: int, n: int, address: str, out: str) 
     from evflow.transport.channel import open_channel, parse_channel_config
     from evflow.wire.messages import MsgType, decode_message, encode_message
 
-    ctx: zmq.Context[object] = zmq.Context()
+    ctx: zmq.Context[Any] = zmq.Context()
     kind, method = ("push", "connect") if role == "send" else ("pull", "bind")
     transport = "zmq" if mode == "zmq" else "shm"
     hwm = int(os.environ.get("EVFLOW_BENCH_SHM_HWM", "4"))  # ZeroMQ messages queued per side
@@ -577,13 +582,12 @@ def _shm_pair(mode: str, size: int, n: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--shm-child":
-        a = sys.argv
-        _shm_child(a[2], a[3], int(a[4]), int(a[5]), a[6], a[7])
+    argv = sys.argv
+    if len(argv) > 1 and argv[1] == "--shm-child":
+        _shm_child(argv[2], argv[3], int(argv[4]), int(argv[5]), argv[6], argv[7])
         return
-    if len(sys.argv) > 1 and sys.argv[1] == "--cpu-child":
-        a = sys.argv
-        _cpu_chain(int(a[2]), int(a[3]), float(a[4]), float(a[5]), a[6], a[7])
+    if len(argv) > 1 and argv[1] == "--cpu-child":
+        _cpu_chain(int(argv[2]), int(argv[3]), float(argv[4]), float(argv[5]), argv[6], argv[7])
         return
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")

@@ -115,7 +115,7 @@ def _evflow_row(n: int, size: int, fast: bool, transport: str = "zmq") -> dict[s
 def serial_and_chain(quick: bool) -> list[dict[str, Any]]:
     """Per size: the old path (EVFLOW_NO_FASTPATH=1), the fast path, the raw chain,
     interleaved twice so that both see the same machine load."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     for size, n in SIZES:
         n = n // 4 if quick else n
         for rep in (1, 2):

@@ -33,7 +33,7 @@ from evflow.processing.parallel.dedup import WrittenUids
 from evflow.processing.parallel.deltas import DeltaEncoder
 from evflow.processing.parallel.fills import Fills
 
-ORIGINAL_TAKE = DeltaEncoder.take
+ORIGINAL_TAKE: Any = DeltaEncoder.take
 
 
 class Touch(Module):
@@ -54,7 +54,7 @@ class Touch(Module):
 
 
 def one_run(variant: str, n: int, size: int) -> dict[str, float]:
-    DeltaEncoder.take = ORIGINAL_TAKE if variant == "deltas" else (lambda self, o: None)  # type: ignore[method-assign]
+    DeltaEncoder.take = ORIGINAL_TAKE if variant == "deltas" else (lambda self, o: None)  # type: ignore[method-assign, assignment]
     modules: list[Module] = [ToyGenerator(n_events=n, payload_bytes=size), BusyWork(work_ms=0.0)]
     if variant != "none":
         modules.append(Touch())

@@ -83,7 +83,7 @@ def bench_size(payload_bytes: int, total_bytes: int, repeats: int, fsync: bool, 
         count = sum(1 for _ in RecordInput(file=full_path).events())
         assert count == n
 
-    result = {"size": payload_bytes, "n": n, "bytes": nbytes}
+    result: dict[str, float] = {"size": payload_bytes, "n": n, "bytes": nbytes}
     for key, fn in [
         ("raw_w", raw_write),
         ("rec_w", rec_write),

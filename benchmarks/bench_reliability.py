@@ -328,9 +328,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     if "EVFLOW_RUNTIME_DIR" in os.environ:
-        sys.exit(main())
+        main()
+        sys.exit(0)
     # a private runtime dir, removed afterwards: a benchmark leaves nothing behind
     with tempfile.TemporaryDirectory(prefix="evflow-bench-") as runtime_dir:
         os.environ["EVFLOW_RUNTIME_DIR"] = runtime_dir
-        code = main()
-    sys.exit(code)
+        main()

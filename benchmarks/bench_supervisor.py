@@ -15,6 +15,7 @@ import signal
 import statistics
 import time
 from multiprocessing.connection import wait
+from typing import Any
 
 import numpy  # noqa: F401  (a realistic worker footprint)
 
@@ -36,7 +37,7 @@ def bench_supervisor() -> tuple[list[float], list[float]]:
             assert old is not None
             t0 = time.perf_counter()
             os.kill(old, signal.SIGKILL)
-            events = []
+            events: list[Any] = []
             while not events:
                 events = sup.poll(1.0)
             t1 = time.perf_counter()

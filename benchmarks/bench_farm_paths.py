@@ -110,7 +110,8 @@ def speedup(farm: NamespaceFarm, tmp: Path, env: dict[str, str], n: int, repeat:
             hosts = tmp / f"hosts{k}.toml"
             hosts.write_text(hosts_toml(farm, names[:k]))
             key = f"{k} host(s) x 1 worker"
-            best[key] = min(best.get(key, 1e9), once(["-p", "1", "--hosts", str(hosts)]))
+            argv = ["-p", "1", "--hosts", str(hosts), "--insecure"]
+            best[key] = min(best.get(key, 1e9), once(argv))
     print(f"| 10 ms/event, {n} events | time after the first event (s) | speedup |")
     print("|---|---|---|")
     for key, t in best.items():
@@ -120,7 +121,8 @@ def speedup(farm: NamespaceFarm, tmp: Path, env: dict[str, str], n: int, repeat:
 def death_to_lost(farm: NamespaceFarm, tmp: Path, env: dict[str, str], fault: str) -> float:
     """Seconds from the fault on h2 to the controller's 'host lost' line."""
     argv = [sys.executable, "-m", "evflow", "run", str(tmp / "steer.py"), "-q", "-p", "1",
-            "--hosts", str(tmp / "hosts.toml"), "--launcher", "ssh", "--", "400000", "1024",
+            "--hosts", str(tmp / "hosts.toml"), "--launcher", "ssh", "--insecure", "--",
+            "400000", "1024",
             str(tmp / "out.evr")]  # fmt: skip
     proc = subprocess.Popen(argv, env=env, cwd=tmp, stderr=subprocess.PIPE, text=True)
     time.sleep(6.0)  # agents up, events flowing
@@ -161,7 +163,7 @@ def main() -> None:
         base = {**os.environ, **farm.ssh_env(), "PYTHONPATH": SRC}
         modes = {
             "ipc": (base, ["-p", "2"]),
-            "tcp": (base, ["-p", "1", "--hosts", str(tmp / "hosts.toml")]),
+            "tcp": (base, ["-p", "1", "--hosts", str(tmp / "hosts.toml"), "--insecure"]),
             "tcp+curve": (
                 {**base, "EVFLOW_CURVE_KEYS": str(tmp / "keys")},
                 ["-p", "1", "--hosts", str(tmp / "hosts.toml")],

@@ -8,6 +8,8 @@ import pytest
 
 from evflow.processing.datastore import DataStore, EventMeta
 from evflow.processing.parallel.batching import (
+    LOSS_MEMORY,
+    LOSS_SHARE,
     MAX_BATCH_EVENTS,
     MAX_BATCH_WORK_S,
     TARGET_BATCH_B,
@@ -86,6 +88,48 @@ def test_a_stream_is_bounded_by_the_most_work_per_batch_not_the_minimum() -> Non
     timed = _sizer(0.001, None, event_timeout_s=0.4)
     timed.stream = True
     assert timed.size() == 100  # a quarter of the event time-out
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_while_workers_are_lost_a_batch_holds_a_bounded_time_of_work() -> None:
+    """A worker SIGKILLed every second: a batch holds LOSS_SHARE of that (20 ms of
+    work), not up to half a second, so each kill re-sends and re-does little."""
+    clock = FakeClock()
+    sizer = BatchSizer(clock=clock)
+    sizer.observe_size(1024)
+    sizer.observe_work(0.001)  # 1 ms per event
+    sizer.remaining, sizer.workers = 20_000, 2
+    assert sizer.size() == int(MAX_BATCH_WORK_S / 0.001) == 500  # 0.5 s of work
+    sizer.observe_loss()  # one loss says nothing about a rate yet
+    assert sizer.size() == 500
+    for _ in range(5):
+        clock.now += 1.0
+        sizer.observe_loss()
+    assert sizer.loss_cap_s == pytest.approx(LOSS_SHARE * 1.0)
+    assert sizer.size() == round(LOSS_SHARE * 1.0 / 0.001)  # 20 ms: 20 events
+    assert sizer.window(10_000) == 2 * 20  # what a worker holds: two such batches
+    # never below the minimum work of a batch, however fast workers die
+    for _ in range(20):
+        clock.now += 0.001
+        sizer.observe_loss()
+    assert sizer.size() == int(TARGET_BATCH_WORK_S / 0.001)
+    # the losses stop: after LOSS_MEMORY mean intervals, full batches again
+    clock.now += LOSS_MEMORY * sizer.loss_gap_s + 0.01
+    assert sizer.size() == 500 and sizer.loss_cap_s == 0.0
+
+
+def test_a_run_without_losses_never_has_its_batches_capped() -> None:
+    clock = FakeClock()
+    sizer = _sizer(0.001, 20_000, clock=clock)  # type: ignore[arg-type]
+    clock.now += 1000
+    assert sizer.loss_cap_s == 0.0 and sizer.size() == 500
 
 
 def test_cheap_events_are_batched_by_bytes_and_the_event_limit() -> None:

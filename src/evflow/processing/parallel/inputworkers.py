@@ -159,6 +159,7 @@ class WorkersMixin:
             if replacement is not None:
                 replacement = field_str(header, "replacement", 32)
             n = self.requeue(name, failure, culprit)
+            self.sizer.observe_loss()  # smaller batches while workers keep dying
             self.requeued_lost[name] = n  # the summary's "events re-sent"
             # a replacement forked at once: the run does not end before it said HELLO
             self.roster.lost(name, replacement or None)

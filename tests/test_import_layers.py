@@ -3,8 +3,9 @@ pyproject.toml (``[tool.importlinter]``) on ``src/evflow``.
 
 Today's exceptions are listed there as ``ignore_imports`` (debt of issue 23). These tests
 check that the contracts pass as written, and that they bite: a new forbidden import, a
-new import circle and a debt entry whose import is gone each fail with the tool's
-message. The mutations are made on a copy of ``src/`` in a temporary directory.
+new import circle, a new import of another package's underscore module and a debt
+entry whose import is gone each fail with the tool's message. The mutations are made on
+a copy of ``src/`` in a temporary directory.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ CONFIG = ROOT / "pyproject.toml"
 
 LAYERS = "evflow layers: each imports only from the layers below it"
 CIRCLES = "no import circles between the modules (or sub-packages) of one package"
+PRIVATE = "an underscore module is imported only from inside its own package"
 
 
 def _lint(src: Path, config: Path = CONFIG) -> subprocess.CompletedProcess[str]:
@@ -72,6 +74,7 @@ def test_the_layers_hold_with_the_recorded_debt() -> None:
     assert done.returncode == 0, out
     assert f"{LAYERS} KEPT" in out, out
     assert f"{CIRCLES} KEPT" in out, out
+    assert f"{PRIVATE} KEPT" in out, out
 
 
 def test_a_new_upward_import_fails(src_copy: Path) -> None:
@@ -83,6 +86,7 @@ def test_a_new_upward_import_fails(src_copy: Path) -> None:
     assert f"{LAYERS} BROKEN" in out, out
     assert "evflow.wire is not allowed to import evflow.cli" in out, out
     assert "evflow.wire.messages -> evflow.cli" in out, out
+    assert "do not add an ignore_imports entry" in out, out  # the guidance
 
 
 def test_an_import_between_independent_apps_fails(src_copy: Path) -> None:
@@ -102,6 +106,15 @@ def test_a_new_import_circle_fails(src_copy: Path) -> None:
     assert done.returncode == 1, out
     assert f"{CIRCLES} BROKEN" in out, out
     assert "No cycles are allowed in evflow.transport" in out, out
+
+
+def test_an_underscore_module_imported_from_another_package_fails(src_copy: Path) -> None:
+    _append(src_copy / "evflow" / "qc" / "objects.py", "import evflow.transport._zap")
+    done = _lint(src_copy)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert f"{PRIVATE} BROKEN" in out, out
+    assert "evflow.qc.objects -> evflow.transport._zap" in out, out
 
 
 def test_a_debt_entry_whose_import_is_gone_fails(tmp_path: Path) -> None:

@@ -462,7 +462,7 @@ def _shm_child(role: str, mode: str, size: int, n: int, address: str, out: str) 
                 ch.send_many(msgs) if batch > 1 else ch.send(msgs[0])
                 msgs = []
         cpu_s, main_s = time.process_time() - cpu0, time.thread_time() - main0
-        # a closing PUSH can lose its last messages (DESIGN.md): wait for the receiver
+        # a closing PUSH can lose its last messages (docs/architecture.md): wait for the receiver
         deadline = time.monotonic() + 120
         while not os.path.exists(out) and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -1,7 +1,8 @@
 """Chaos: real parallel runs with killed, hung, crashing and raising workers.
 
-Every test checks invariant 1 of DESIGN.md on the output file: every uid the input
-read appears exactly once, processed or (after max_attempts failures) quarantined.
+Every test checks invariant 1 of docs/architecture.md on the output file: every uid
+the input read appears exactly once, processed or (after max_attempts failures)
+quarantined.
 """
 
 from __future__ import annotations

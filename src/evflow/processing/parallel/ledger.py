@@ -1,8 +1,8 @@
 """The input's ledger: every event sent and not yet confirmed written by the output.
 
-The ledger, not the transport, decides that an event is safe (DESIGN.md, "End of
-stream is a message"). The input ``add``s an event when it first sends it and keeps a
-reference to its encoded frames (no copy); the output ``confirm``s uids in batches
+The ledger, not the transport, decides that an event is safe (docs/architecture.md,
+"End of stream is a message"). The input ``add``s an event when it first sends it and
+keeps a reference to its encoded frames (no copy); the output ``confirm``s uids in batches
 after it has written and flushed them. What is still in the ledger when a worker dies,
 times out or the output restarts is sent again with ``attempt + 1``.
 The rules of blame (which failure is charged to which event) are in

@@ -62,6 +62,7 @@ def check_output_readable(out: Path) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(360)  # 11 runs, each bounded by finish() (30 s)
 def test_sigint_at_random_moments_drains_and_exits_130(tmp_path):
     rng = random.Random(4)
     # moments from the command's start: the first ones fall into the start-up; the

@@ -2,7 +2,8 @@
 
 It prints ``STATE <name>`` on stdout for every state it enters and sleeps
 ``EVFLOW_TEST_PAUSE_S`` in the state named by ``EVFLOW_TEST_PAUSE_STATE`` (IDLE: while
-it is being built), so that a test can signal it while it is in that state. With
+it is being built), so that a test can signal it while it is in that state, and
+``LOOP`` when its RUNNING loop first calls ``conditional_run``. With
 ``EVFLOW_TEST_FAIL_HOOK`` set, that hook raises.
 """
 
@@ -63,6 +64,8 @@ class PauseDevice(Device):
         self._maybe_fail("pre_run")
 
     def conditional_run(self) -> bool:
+        if not self.iterations:
+            _say("LOOP")  # a test waits for this to signal the device inside its loop
         time.sleep(0.01)  # with --max-iterations the RUNNING loop ends by itself
         return True
 

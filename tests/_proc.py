@@ -44,6 +44,7 @@ def finish(proc: subprocess.Popen[str], timeout_s: float = 60) -> tuple[int, str
         proc.kill()
         out, err = proc.communicate()
         raise AssertionError(f"device did not finish in {timeout_s} s; stderr:\n{err}") from None
+    _unread.pop(proc.pid, None)
     return proc.returncode, _early.pop(proc.pid, "") + out, err
 
 
@@ -52,19 +53,29 @@ def read_stats(path: Path) -> dict[str, Any]:
 
 
 _early: dict[int, str] = {}
+#: text read by wait_for_line after the line it waited for: where its next call starts
+_unread: dict[int, str] = {}
 
 
 def wait_for_line(proc: subprocess.Popen[str], wanted: str, timeout_s: float = 20) -> list[str]:
     """Read stdout lines until one equals ``wanted`` (bounded by ``timeout_s``); return them.
 
     Reads the raw pipe with select so that it cannot block past the deadline; what it
-    read is given back by :func:`finish`.
+    read is given back by :func:`finish`. Calls follow each other: a second call looks
+    first at what the first one read after its line.
     """
     assert proc.stdout is not None
     fd = proc.stdout.fileno()
-    buf = ""
+    buf = _unread.pop(proc.pid, "")
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while True:
+        lines = buf.split("\n")
+        if wanted in lines[:-1]:
+            after = lines.index(wanted) + 1
+            _unread[proc.pid] = "\n".join(lines[after:])
+            return [line.strip() for line in lines[:-1]]
+        if time.monotonic() >= deadline:
+            break
         ready, _, _ = select.select([fd], [], [], 0.1)
         if not ready:
             continue
@@ -72,10 +83,32 @@ def wait_for_line(proc: subprocess.Popen[str], wanted: str, timeout_s: float = 2
         if not chunk:
             break
         buf += chunk
-        lines = buf.split("\n")
-        if wanted in lines[:-1]:
-            _early[proc.pid] = _early.get(proc.pid, "") + buf
-            return [line.strip() for line in lines[:-1]]
+        _early[proc.pid] = _early.get(proc.pid, "") + chunk
     proc.kill()
     _, err = proc.communicate()
-    raise AssertionError(f"never saw {wanted!r}; stdout {buf!r}; stderr {err[-2000:]}")
+    _unread.pop(proc.pid, None)
+    _early.pop(proc.pid, None)
+    raise AssertionError(f"never saw {wanted!r}; stdout {buf!r}; stderr {(err or '')[-2000:]}")
+
+
+def wait_for_stderr(proc: subprocess.Popen[str], wanted: str, timeout_s: float = 20) -> str:
+    """Read the process's log (stderr) until a line contains ``wanted``; bounded.
+
+    Returns what it read; that text is not given back by :func:`finish`.
+    """
+    assert proc.stderr is not None
+    fd = proc.stderr.fileno()
+    buf = ""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.1)
+        if ready:
+            chunk = os.read(fd, 65536).decode()
+            if not chunk:
+                break
+            buf += chunk
+            if wanted in buf:
+                return buf
+    proc.kill()
+    proc.communicate()
+    raise AssertionError(f"never saw {wanted!r} in the log: {buf[-2000:]!r}")

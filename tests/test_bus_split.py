@@ -9,6 +9,7 @@ from typing import Any
 
 import zmq
 
+from _wait import wait_until
 from evflow.runtime.bus import BusProxy
 from evflow.wire.messages import MsgType, decode_message, encode_message
 
@@ -56,7 +57,9 @@ def test_ipc_and_tcp_sides_are_one_bus() -> None:
         # the tcp subscriber leaves: its unsubscribe must not cut off the ipc one
         sub_tcp.close(linger=0)
         socks.remove(sub_tcp)
-        time.sleep(0.3)
+        # the proxy has taken the unsubscribe: its tcp side (1) holds the topic no more
+        topic = bytes([MsgType.METRICS])
+        wait_until(lambda: 1 not in proxy._topics.get(topic, set()), 30, "the unsubscribe")
         while sub_ipc.poll(50):
             sub_ipc.recv_multipart()
         assert _heard(pub_tcp, sub_ipc)

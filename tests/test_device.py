@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import zmq
 
-from _proc import finish, start_device, wait_for_line
+from _proc import finish, start_device, wait_for_line, wait_for_stderr
+from _wait import wait_until
 from evflow.errors import ParameterError, StateTransitionError
 from evflow.processing.module import Param
 from evflow.runtime.device import Device, Origin
@@ -138,13 +139,28 @@ def test_an_exception_in_any_hook_ends_in_error(
         assert "post_run" in dev.calls or hook == "pre_run"
 
 
+class Stamped(Recorder):
+    """Notes when each ``conditional_run`` call began."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.stamps: list[float] = []
+
+    def conditional_run(self) -> bool:
+        self.stamps.append(time.monotonic())
+        return super().conditional_run()
+
+
 def test_rate_limits_conditional_run(ctx: zmq.Context[Any]) -> None:
-    dev = Recorder("rate", rate_hz=50, max_iterations=11, context=ctx)
-    t0 = time.monotonic()
+    dev = Stamped("rate", rate_hz=50, max_iterations=11, context=ctx)
     assert dev.run() == 0
-    elapsed = time.monotonic() - t0
     assert dev.iterations == 11
-    assert 0.18 < elapsed < 2.0  # 10 periods of 20 ms
+    # the rate is a limit: call k comes no earlier than k periods of 20 ms after the
+    # first (a loaded machine can only make calls later, never earlier)
+    late = [t - dev.stamps[0] - k * 0.02 for k, t in enumerate(dev.stamps)]
+    assert min(late) > -0.002, late
+    # and not periods of 20 s (a unit mix-up): bound 50 times the 0.2 s it takes idle
+    assert dev.stamps[-1] - dev.stamps[0] < 10.0
 
 
 class Collect(Device):
@@ -221,7 +237,7 @@ def test_interactive_requests_drive_the_machine(
         ):
             dev.request(tr)
         wait_for(State.RUNNING)
-        time.sleep(0.05)
+        wait_until(lambda: dev.iterations > 0, 10, "a RUNNING iteration")
         dev.request(Transition.STOP)
         wait_for(State.READY)
         dev.request(Transition.END)  # END outside IDLE = orderly shutdown
@@ -302,7 +318,7 @@ def test_sigterm_while_running_shuts_down_cleanly(_runtime_dir: Path) -> None:
     proc = start_pause_device({"EVFLOW_TEST_PAUSE_STATE": "RUNNING", "EVFLOW_TEST_PAUSE_S": "0.2"})
     lines = wait_for_line(proc, "PAUSED RUNNING")
     assert lines[:3] == ["STATE INITIALIZING_DEVICE", "STATE INITIALIZED", "STATE BINDING"]
-    time.sleep(0.3)  # now inside the RUNNING loop itself
+    wait_for_line(proc, "LOOP")  # now inside the RUNNING loop itself
     proc.send_signal(signal.SIGTERM)
     code, out, err = finish(proc, 30)
     assert code == 0, err
@@ -333,15 +349,15 @@ def test_sigint_during_startup_leaves_nothing(_runtime_dir: Path) -> None:
 
 
 def test_second_sigint_leaves_fast_and_still_cleans_up(_runtime_dir: Path) -> None:
-    proc = start_pause_device({"EVFLOW_TEST_PAUSE_STATE": "BOUND", "EVFLOW_TEST_PAUSE_S": "5"})
+    # paused for 60 s: leaving "fast" is leaving long before the pause ends
+    proc = start_pause_device({"EVFLOW_TEST_PAUSE_STATE": "BOUND", "EVFLOW_TEST_PAUSE_S": "60"})
     wait_for_line(proc, "PAUSED BOUND")
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.1)
-    t0 = time.monotonic()
+    # the first one handled (two signals sent at once could merge into one)
+    wait_for_stderr(proc, "SIGINT received")
     proc.send_signal(signal.SIGINT)
-    code, _, err = finish(proc, 30)
+    code, _, err = finish(proc, 40)  # past the pause: the second SIGINT was not heeded
     assert code == 130, err
-    assert time.monotonic() - t0 < 3
     assert not list(_runtime_dir.rglob("*"))
 
 
@@ -414,8 +430,7 @@ def test_interactive_control_over_stdin_with_fairmq_keys(_runtime_dir: Path) -> 
     assert proc.stdin is not None
     proc.stdin.write("i\nk\nb\nx\nj\nRUN\n")
     proc.stdin.flush()
-    wait_for_line(proc, "STATE RUNNING")
-    time.sleep(0.2)
+    wait_for_line(proc, "LOOP")  # running: the next keys stop it
     proc.stdin.write("bogus\ns\nt\nreset-device\nq\n")
     proc.stdin.flush()
     code, out, err = finish(proc, 30)

@@ -170,6 +170,7 @@ def test_host_whose_agent_is_killed_is_lost_and_rejoins(tmp_path: Path) -> None:
     assert "hosts lost: 1" in (tmp_path / "stdout").read_text()
 
 
+@pytest.mark.timeout(150)  # the run's own bound (120 s) first: it says more
 def test_agent_that_ends_before_it_answers_is_told_and_started_again(tmp_path: Path) -> None:
     """An agent killed before its first heartbeat was never in the pool: it is not "lost",
     but it must not be left out in silence either (a run of one host would wait forever)."""

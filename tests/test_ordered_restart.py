@@ -13,21 +13,21 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path as FsPath
 
 import pytest
 
 import evflow
+from _kill import HoldUntil, kill_role_when
+from _wait import size_of, wait_until
 from evflow import DataStore, Module, Path
 from evflow.errors import InternalError
 from evflow.io.generators import BusyWork, ToyGenerator
 from evflow.io.records import RecordOutput, RecordReader, decode_record
 from evflow.processing.datastore import FLAG_QUARANTINED
 from evflow.processing.faults import FaultInjector
-from evflow.processing.parallel.checkpoint import CheckpointFile
+from evflow.processing.parallel.checkpoint import Checkpoint, CheckpointFile
 from evflow.processing.parallel.reorder import SKIP, ReorderBuffer
-from test_chaos import _kill_role_when
 
 N_EVENTS = 4000
 POISON = [1234, 2999]  # raise on every attempt: quarantined, written raw in their place
@@ -51,10 +51,12 @@ class InputTrigger(Module):
         return store.meta.uid % 7 != 0
 
 
-def _path(out: FsPath, input_trigger: bool = False) -> Path:
+def _path(out: FsPath, input_trigger: bool = False, gate: FsPath | None = None) -> Path:
     modules: list[Module] = [ToyGenerator(n_events=N_EVENTS, payload_bytes=500, seed=3)]
     if input_trigger:
         modules.append(InputTrigger())
+    if gate is not None:  # the second half waits for the kill: the run cannot end before it
+        modules.append(HoldUntil(gate=str(gate), from_uid=N_EVENTS // 2))
     modules += [
         BusyWork(work_ms=0.5),
         DropTag3(),
@@ -104,10 +106,10 @@ def _assert_in_order_exactly_once(file: FsPath, input_trigger: bool = False) -> 
 
 
 def test_ordered_run_restarts_a_killed_output_and_keeps_input_order(tmp_path: FsPath) -> None:
-    out = tmp_path / "o.evr"
-    killer = _kill_role_when("output", lambda: out.exists() and out.stat().st_size > 300_000)
-    summary = evflow.process(_path(out), workers=2, quiet=True, ordered=True)
-    killer.join(timeout=5)
+    out, gate = tmp_path / "o.evr", tmp_path / "killed"
+    killer = kill_role_when("output", lambda: size_of(out) > 300_000, gate=gate)
+    summary = evflow.process(_path(out, gate=gate), workers=2, quiet=True, ordered=True)
+    killer.finish()
     assert summary.counters["output restarts"] == 1
     assert summary.counters["events lost"] == 0
     _assert_in_order_exactly_once(out)
@@ -116,22 +118,25 @@ def test_ordered_run_restarts_a_killed_output_and_keeps_input_order(tmp_path: Fs
 def test_ordered_run_restarts_a_killed_input_from_its_checkpoint_in_order(
     tmp_path: FsPath,
 ) -> None:
-    out = tmp_path / "i.evr"
+    out, gate = tmp_path / "i.evr", tmp_path / "killed"
     ckpt = FsPath(str(out) + ".ckpt")
-    killer = _kill_role_when("input", lambda: ckpt.exists() and out.stat().st_size > 300_000)
+    # the output file may appear after the first checkpoint: size_of() is 0 until then
+    killer = kill_role_when("input", lambda: ckpt.exists() and size_of(out) > 300_000, gate=gate)
     summary = evflow.process(
-        _path(out, input_trigger=True),  # the slow path: seqs are not positions
+        _path(out, input_trigger=True, gate=gate),  # the slow path: seqs are not positions
         workers=2,
         quiet=True,
         ordered=True,
         extra={"checkpoint_interval_s": 0.1},
     )
-    killer.join(timeout=5)
+    killer.finish()
     assert summary.counters["input restarts"] == 1
     assert summary.counters["events lost"] == 0
     assert summary.events_read < N_EVENTS  # the new input read from the checkpoint on
     _assert_in_order_exactly_once(out, input_trigger=True)
 
+
+_START = Checkpoint("", 0, {})  # what "no checkpoint yet" counts as
 
 _KILL9_ORDERED = """
 import sys
@@ -151,10 +156,9 @@ def test_ordered_resume_after_kill_9_continues_the_order(tmp_path: FsPath) -> No
         [sys.executable, "-c", _KILL9_ORDERED, str(out)], start_new_session=True
     )
     try:
-        deadline = time.monotonic() + 30
-        while not ckpt.exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        time.sleep(0.4)
+        # kill once a checkpoint says the run is under way (position > 0)
+        wait_until(lambda: (CheckpointFile(ckpt).load() or _START).position > 0, 60,
+                   "a checkpoint past position 0", proc=proc)  # fmt: skip
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)

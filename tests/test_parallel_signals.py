@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from _wait import size_of, wait_until
 from evflow.io import RecordReader
 from evflow.io.records import decode_record
 
@@ -22,6 +23,10 @@ from evflow.io import BusyWork, ToyGenerator
 path = evflow.Path([ToyGenerator(n_events=1_000_000, payload_bytes=2000), BusyWork(work_ms=0.3)])
 evflow.process(path)
 """
+
+
+#: bytes of output that say the run is under way: events went through every role
+RUNNING_B = 100_000
 
 
 def start(tmp_path: Path, out: Path, workers: int = 2) -> subprocess.Popen[bytes]:
@@ -57,15 +62,22 @@ def check_output_readable(out: Path) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(360)  # 11 runs, each bounded by finish() (30 s)
 def test_sigint_at_random_moments_drains_and_exits_130(tmp_path):
     rng = random.Random(4)
-    # moments from the command's start: the first ones fall into the start-up
-    moments = [0.0, 0.15, 0.3, *(rng.uniform(0.4, 1.6) for _ in range(7))]
+    # moments from the command's start: the first ones fall into the start-up; the
+    # random moment is what this test is about, so these sleeps stay. The last moment
+    # is "once events are written", whatever the load of the machine.
+    moments: list[float | None] = [0.0, 0.15, 0.3, *(rng.uniform(0.4, 1.6) for _ in range(7))]
+    moments.append(None)
     written = []
     for i, delay in enumerate(moments):
         out = tmp_path / f"out{i}.evr"
         proc = start(tmp_path, out)
-        time.sleep(delay)
+        if delay is None:
+            wait_until(lambda: size_of(out) > RUNNING_B, 60, "events in the output", proc=proc)  # noqa: B023
+        else:
+            time.sleep(delay)
         proc.send_signal(signal.SIGINT)
         code, err = finish(proc)
         before_main = "Fatal Python error: init_import_site" in err or (
@@ -80,7 +92,7 @@ def test_sigint_at_random_moments_drains_and_exits_130(tmp_path):
             continue
         # a SIGINT before the interpreter installs its handler kills it by the signal,
         # which a shell reports as 130 too (128 + 2)
-        assert code in (130, -signal.SIGINT), f"at {delay:.2f} s: exit {code}: {err[-2000:]}"
+        assert code in (130, -signal.SIGINT), f"at {delay} s: exit {code}: {err[-2000:]}"
         assert "Traceback" not in err, err[-2000:]
         written.append(check_output_readable(out))
     # the later moments interrupt a running run: something was written and closed
@@ -90,9 +102,9 @@ def test_sigint_at_random_moments_drains_and_exits_130(tmp_path):
 def test_second_sigint_stops_at_once_and_leaves_a_readable_file(tmp_path):
     out = tmp_path / "out.evr"
     proc = start(tmp_path, out)
-    time.sleep(1.2)
+    wait_until(lambda: size_of(out) > RUNNING_B, 60, "events in the output", proc=proc)
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.02)
+    time.sleep(0.02)  # the second SIGINT comes during the drain the first one began
     proc.send_signal(signal.SIGINT)
     code, err = finish(proc, timeout_s=15)
     assert code == 130, err[-2000:]
@@ -102,7 +114,7 @@ def test_second_sigint_stops_at_once_and_leaves_a_readable_file(tmp_path):
 def test_sigterm_drains_and_exits_143(tmp_path):
     out = tmp_path / "out.evr"
     proc = start(tmp_path, out)
-    time.sleep(1.2)
+    wait_until(lambda: size_of(out) > RUNNING_B, 60, "events in the output", proc=proc)
     proc.send_signal(signal.SIGTERM)
     code, err = finish(proc)
     assert code == 143, err[-2000:]
@@ -112,7 +124,8 @@ def test_sigterm_drains_and_exits_143(tmp_path):
 def test_killed_parent_takes_every_role_with_it(tmp_path):
     out = tmp_path / "out.evr"
     proc = start(tmp_path, out)
-    time.sleep(1.2)
+    # events written: every role is up (zygote, input, output, workers)
+    wait_until(lambda: size_of(out) > RUNNING_B, 60, "events in the output", proc=proc)
     import psutil
 
     children = psutil.Process(proc.pid).children(recursive=True)
@@ -132,14 +145,12 @@ def test_running_parallel_run_answers_on_its_control_bus(tmp_path):
     from evflow.runtime.busclient import BusEndpoints, find_bus_sessions
     from evflow.runtime.buscontrol import BusController
 
-    proc = start(tmp_path, tmp_path / "out.evr")
+    out = tmp_path / "out.evr"
+    proc = start(tmp_path, out)
     try:
-        deadline = time.monotonic() + 10
-        sessions: list[str] = []
-        while not sessions and time.monotonic() < deadline:
-            time.sleep(0.05)
-            sessions = find_bus_sessions()
-        assert sessions, "the run's bus never appeared in the runtime directory"
+        # events written: every role is up and has said HELLO
+        wait_until(lambda: size_of(out) > RUNNING_B, 60, "events in the output", proc=proc)
+        sessions = wait_until(find_bus_sessions, 30, "the run's bus in the runtime directory")
         ctx = zmq.Context()
         ctl = BusController(ctx, BusEndpoints.for_session(sessions[0]))
         try:

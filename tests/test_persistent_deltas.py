@@ -339,7 +339,7 @@ def test_sigkill_of_the_output_keeps_the_merged_histogram_exact(tmp_path: FsPath
     out = tmp_path / "o.evr"
     killer = _kill_role_when("output", lambda: out.exists() and out.stat().st_size > 200_000)
     summary = evflow.process(fill_path(out, n, work_ms=0.5), workers=2, quiet=True)
-    killer.join(timeout=5)
+    killer.finish()
     assert summary.counters["output restarts"] == 1
     h, _, uids = expected_from_file(out)
     assert uids == set(range(n))
@@ -370,7 +370,7 @@ def test_after_an_input_restart_every_fill_counted_twice_is_in_the_summary(
         quiet=True,
         extra={"checkpoint_interval_s": 0.1},
     )
-    killer.join(timeout=5)
+    killer.finish()
     assert summary.counters["input restarts"] == 1
     h, _, uids = expected_from_file(out)
     assert uids == set(range(n))

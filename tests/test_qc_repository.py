@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from _proc import finish, wait_for_line
 from _qc_repo_helpers import gauss_hist, published
 from evflow.errors import ClosedError, InputError, NotFoundError, OutputError
 from evflow.qc.quality import Flag, Quality, QualityObject
@@ -322,12 +323,14 @@ def test_readers_in_other_processes_read_while_a_writer_process_writes(tmp_path:
         )
         for marker in [str(tmp_path / f"reader-{i}.started") for i in range(3)]
     ]
+    # one deadline for all, inside the test's own timeout (a loaded machine is slow)
+    deadline = time.monotonic() + 100
     try:
-        w_out, _ = writer.communicate(timeout=90)
+        w_out, _ = writer.communicate(timeout=deadline - time.monotonic())
         assert writer.returncode == 0 and w_out.split() == ["ready", "done"]
         results = []
         for reader in readers:
-            out, err = reader.communicate(timeout=90)
+            out, err = reader.communicate(timeout=max(1.0, deadline - time.monotonic()))
             assert reader.returncode == 0, err
             results.append(json.loads(out))
     finally:
@@ -335,6 +338,9 @@ def test_readers_in_other_processes_read_while_a_writer_process_writes(tmp_path:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+            for pipe in (p.stdout, p.stderr):  # also after a failure: no unclosed file
+                if pipe is not None:
+                    pipe.close()
     for r in results:
         assert r["last"] == cycles - 1
         assert r["reads"] > 0
@@ -398,16 +404,15 @@ def test_a_writer_killed_mid_write_leaves_a_consistent_repository(tmp_path: Path
         writer = subprocess.Popen(
             [sys.executable, "-c", _KILLED_WRITER.format(db=str(db), tests=tests_dir)],
             stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,  # shown if it dies before "writing"
             text=True,
         )
         try:
-            assert writer.stdout is not None and writer.stdout.readline() == "writing\n"
-            time.sleep(0.05 * round_)
+            wait_for_line(writer, "writing", timeout_s=60)
+            time.sleep(0.05 * round_)  # the moment of the kill varies: what this test is about
         finally:
             writer.kill()  # SIGKILL, somewhere inside a transaction or between two
-            writer.wait()
-            if writer.stdout is not None:
-                writer.stdout.close()
+            finish(writer, timeout_s=30)  # reaps it and closes its pipe
         with Repository(db, readonly=True) as reader:
             versions = reader.versions(PATH)
             assert 1 <= len(versions) <= 5 and versions[0].valid_until is None

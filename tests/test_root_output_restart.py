@@ -39,7 +39,7 @@ def test_sigkill_of_a_root_output_stops_the_run_with_one_clear_error(tmp_path: F
     with pytest.raises(PeerLostError) as info:
         evflow.process(path, workers=2, quiet=True)
     wall_s = time.monotonic() - t0
-    killer.join(timeout=5)
+    killer.finish()
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith("the output process (pid ")

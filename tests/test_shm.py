@@ -287,7 +287,7 @@ def test_a_killed_input_or_output_restarts_and_every_uid_is_written_once(
         transport="shm",
         extra={"checkpoint_interval_s": 0.1},
     )
-    killer.join(timeout=5)
+    killer.finish()
     assert summary.counters[f"{role} restarts"] == 1
     assert summary.counters["events lost"] == 0
     assert_exactly_once(out, 1000)

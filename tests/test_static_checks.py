@@ -11,7 +11,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
+
+
+# mypy --no-incremental takes minutes on a loaded machine; the tool's own bound (300 s)
+# says more than pytest-timeout's default of 120 s would
+pytestmark = pytest.mark.timeout(330)
 
 
 def _run(*argv: str) -> subprocess.CompletedProcess[str]:

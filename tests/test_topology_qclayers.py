@@ -253,6 +253,7 @@ def assert_sequential_fill(
     assert got["h1"].event_count == n_events and got["h1"].metadata["merger"] == top
 
 
+@pytest.mark.timeout(210)  # the run's own bound (180 s) first: it says more
 def test_example_through_evflow_up_stores_the_sequential_fill(tmp_path: Path) -> None:
     """8 sources -> 8 producers -> 2 mergers -> 1 -> repository, real processes: the
     final objects in the repository equal ToyQc filled with all 40000 events in order."""

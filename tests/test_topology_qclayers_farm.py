@@ -54,6 +54,7 @@ channels = [{{ name = "qc-in", type = "router", bind = true }}]
 """
 
 
+@pytest.mark.timeout(210)  # the run's own bound (180 s) first: it says more
 def test_qc_layers_over_ssh_on_three_hosts(farm: NamespaceFarm, tmp_path: Path) -> None:
     hosts = farm.write_hosts_file(tmp_path / "hosts.toml")
     keys = make_keys(farm, tmp_path / "keys")

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import http.server
+import json
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.parse
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import ClassVar
 
 import httpx
 import pytest
@@ -311,3 +316,57 @@ def test_ctrl_c_ends_the_linger_of_a_complete_run_with_exit_0(tmp_path: Path) ->
         os.kill(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=20) == 0
         assert proc.stderr.read() == ""
+
+
+class _FakePrometheus(http.server.BaseHTTPRequestHandler):
+    """Answers /api/v1/query_range as Prometheus does; anything else: a 500 page."""
+
+    queries: ClassVar[list[dict[str, list[str]]]] = []
+
+    def do_GET(self) -> None:
+        url = urllib.parse.urlsplit(self.path)
+        if url.path != "/api/v1/query_range":
+            self.send_error(500, "boom")
+            return
+        self.queries.append(urllib.parse.parse_qs(url.query))
+        body = json.dumps(
+            {"status": "success", "data": {"result": [{"values": [[1.0, "3"], [3.0, "7"]]}]}}
+        ).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_history_from_prometheus_and_one_error_when_it_does_not_answer() -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakePrometheus)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    prom = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with (
+            start_dashboard([], "auto", store=MetricsStore(), prometheus_url=prom) as good,
+            start_dashboard([], "auto", store=MetricsStore(), prometheus_url=prom + "/x") as bad,
+        ):
+            r = httpx.get(f"http://127.0.0.1:{good.port}/api/history?device=output&key=events_out")
+            assert r.status_code == 200
+            assert r.json() == {
+                "source": "prometheus",
+                "query": 'evflow_events_out_total{device="output"}',
+                "t": [1.0, 3.0],
+                "v": [3.0, 7.0],
+            }
+            assert _FakePrometheus.queries[-1]["query"] == [
+                'evflow_events_out_total{device="output"}'
+            ]
+            r = httpx.get(f"http://127.0.0.1:{bad.port}/api/history")
+            assert r.status_code == 502
+            assert r.json()["error"].startswith(f"Prometheus at {prom}/x did not answer: ")
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)

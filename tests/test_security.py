@@ -4,9 +4,12 @@ compromised member of the run (holding the secret) still meets validation."""
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -133,6 +136,35 @@ def test_a_process_outside_the_run_is_refused_even_with_the_secret(
         while not handler.refused and time.monotonic() < deadline:
             time.sleep(0.01)
         assert list(handler.refused) == ["not in the run"]
+    finally:
+        handler.close()
+
+
+def test_a_peer_that_ended_before_its_check_is_refused_without_a_warning(
+    ctx: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # a role killed as its run aborts at start-up: its connection request may still be
+    # queued; refused and counted, but not a warning before the run's one error line
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()  # reaped: no such process any more
+    auth = RunAuth(RunAuth.generate().secret, zygote_pid=os.getppid())
+    handler = auth.handler(ctx, "test", {})
+    try:
+        request = ZapRequest("results", f"localhost:0:{os.getuid()}:{ended.pid}", "PLAIN", ())
+        frames = [b"id", b"", b"1.0", b"1", request.domain.encode(), request.address.encode()]
+        frames += [b"", b"PLAIN", b"worker-0", auth.secret]
+        with caplog.at_level(logging.DEBUG, logger="evflow.security"):
+            reply = handler.handle(frames)
+        assert reply is not None and reply[4] == b"400"
+        assert handler.refused == {"ended": 1}
+        assert [r.levelno for r in caplog.records] == [logging.DEBUG]
+        # a live process of another parent is still a warning
+        caplog.clear()
+        frames[5] = f"localhost:0:{os.getuid()}:{os.getppid()}".encode()
+        with caplog.at_level(logging.DEBUG, logger="evflow.security"):
+            handler.handle(frames)
+        assert "not in the run" in handler.refused
+        assert [r.levelno for r in caplog.records] == [logging.WARNING]
     finally:
         handler.close()
 

@@ -61,6 +61,8 @@ log = logging.getLogger("evflow.security")
 
 #: where libzmq sends its ZAP requests (RFC 27), one handler per context
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+#: the refusal kind of a peer process that ended before its connection was checked
+ENDED = "ended"
 #: the user names a role may connect with
 _ROLE_NAME = re.compile(r"^(input|output|worker-\d{1,6}(\.\d{1,6})?)$")
 
@@ -271,7 +273,12 @@ class ZapHandler:
             uid, _, pid = peer
             if uid != os.getuid():
                 return None, f"other user: peer process {pid} runs as user {uid}, not {os.getuid()}"
-            if self.parent_pid and parent_of(pid) != self.parent_pid:
+            parent = parent_of(pid) if self.parent_pid else self.parent_pid
+            if parent is None:
+                # it connected and ended before we looked (a role killed as a run aborts
+                # at start-up): refused, counted, and no warning (see _refuse)
+                return None, f"{ENDED}: peer process {pid} ended before its check"
+            if parent != self.parent_pid:
                 return (
                     None,
                     f"not in the run: peer process {pid} is not a child of {self.parent_pid}",
@@ -290,7 +297,7 @@ class ZapHandler:
         self.refused[kind] = n
         if n == 1:
             what = f" on {req.domain!r} from {req.address or '?'}" if req is not None else ""
-            log.warning(
+            (log.debug if kind == ENDED else log.warning)(
                 "refused a connection%s%s: %s; further ones of this kind are only counted",
                 self._at(),
                 what,

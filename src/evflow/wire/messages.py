@@ -251,14 +251,17 @@ class BadMessageCounter:
         self.counts: dict[str, int] = {}
         self.total = 0
 
-    def record(self, kind: str, detail: str = "") -> None:
-        """Count one bad message of ``kind``; log it if it is the first of its kind."""
+    def record(self, kind: str, detail: str = "", *, quiet: bool = False) -> None:
+        """Count one bad message of ``kind``; log it if it is the first of its kind.
+
+        ``quiet``: an expected refusal (a peer that ended while its message was on the
+        way) is logged at debug level, not as a warning."""
         n = self.counts.get(kind, 0) + 1
         self.counts[kind] = n
         self.total += 1
         if n == 1:
             where = f" on {self.where}" if self.where else ""
-            self.logger.warning(
+            (self.logger.debug if quiet else self.logger.warning)(
                 "dropped bad message%s (%s): %s; further ones of this kind are only counted",
                 where,
                 kind,

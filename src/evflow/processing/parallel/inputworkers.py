@@ -24,7 +24,7 @@ from evflow.processing.parallel.inputfeed import WorkerSlot
 from evflow.processing.parallel.ledger import Failure, Ledger, LedgerEntry
 from evflow.processing.parallel.resend import ResendQueue
 from evflow.processing.parallel.roster import Roster
-from evflow.transport.security import is_sibling
+from evflow.transport.security import is_sibling, parent_of
 from evflow.wire.messages import (
     U64_MAX,
     BadMessageCounter,
@@ -111,6 +111,13 @@ class WorkersMixin:
             if any(s.name == name for s in self.workers.values()) or slot is not None:
                 raise refuse("bad-hello", f"second HELLO of {name!r}")
             if not self.remote_workers and not is_sibling(pid):
+                if parent_of(pid) is None:
+                    # it said HELLO and ended (the run aborts at start-up and its workers
+                    # go): no intruder, and the parent reports the loss. Counted, not shown.
+                    self.bad.record(
+                        "hello-of-ended", f"HELLO of {name!r}: pid {pid} has ended", quiet=True
+                    )
+                    return
                 raise refuse(
                     "bad-hello", f"HELLO of {name!r}: pid {pid} is not a process of the run"
                 )

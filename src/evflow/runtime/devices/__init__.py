@@ -2,7 +2,8 @@
 
 All carry wire-protocol messages (EVENTS with the data as payload) and end a stream
 with an END message that carries the count, acknowledged by the receiver (ACK) before
-the sender closes: end of stream is a message, never a closed socket.
+the sender closes: end of stream is a message, never a closed socket. Base classes
+for your own (``SourceDevice``, ``SinkDevice``) are public in :mod:`evflow.devices`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 BUILTIN_DEVICES: dict[str, str] = {
     "sampler": "evflow.runtime.devices.sampler:Sampler",
     "sink": "evflow.runtime.devices.sink:Sink",
+    "event-sink": "evflow.runtime.devices.eventsink:SinkDevice",
+    "file-source": "evflow.io.file_source:FileSource",
     "splitter": "evflow.runtime.devices.forward:Splitter",
     "merger": "evflow.runtime.devices.forward:Merger",
     "proxy": "evflow.runtime.devices.forward:Proxy",

@@ -1,0 +1,169 @@
+"""The ``file-source`` device and the public source/sink API (``evflow.devices``).
+
+Real topologies through ``evflow up``: a ROOT file (uproot-HZZ.root) read in chunks
+feeds QC producers whose merged histograms equal a sequential fill bin by bin, and an
+``event-sink`` whose count equals the file's entries; a record file and a source
+written as a user would (public names only) feed a user's sink that sees every event
+exactly once. A missing file, a missing tree, a foreign file: one error line before
+anything starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import evflow.devices
+from evflow.demo.muonqc import MUON_BRANCHES, MuonQc
+from evflow.io.file_source import FileSource, resolve_input_file
+from evflow.io.records import RecordWriter
+from evflow.io.root import RootInput
+from evflow.qc.repository import Repository
+from evflow.runtime.devices import BUILTIN_DEVICES
+from evflow.wire.codec import encode_event, pack_frames
+
+HERE = Path(__file__).parent
+EXAMPLE = HERE.parent / "examples" / "topologies" / "file_qc.toml"
+HZZ = resolve_input_file("uproot-HZZ.root")
+HZZ_ENTRIES = 2421
+
+
+def up(
+    topology: Path, cwd: Path, *args: str, timeout_s: float = 180
+) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, "-m", "evflow", "up", "--quiet", str(topology), *args],
+        cwd=cwd, capture_output=True, text=True, timeout=timeout_s, env=env,
+    )  # fmt: skip
+
+
+def stats(stats_dir: Path) -> dict[str, dict[str, Any]]:
+    return {p.stem: json.loads(p.read_text()) for p in stats_dir.glob("*.json")}
+
+
+def sources_to_sink(source: str, params: str, sink: str = "event-sink", copies: int = 1,
+                    sink_params: str = "{}") -> str:  # fmt: skip
+    """A topology: ``copies`` instances of ``source`` -> one ``sink``."""
+    return (
+        f'name = "fs"\n[devices.source]\nclass = "{source}"\ninstances = {copies}\n'
+        f"params = {params}\n"
+        'channels = [{ name = "data", type = "dealer", connect = "sink.data" }]\n'
+        f'[devices.sink]\nclass = "{sink}"\nparams = {sink_params}\n'
+        'channels = [{ name = "data", type = "router", bind = true }]\n'
+    )
+
+
+def test_the_devices_are_built_in_and_the_api_is_public() -> None:
+    assert BUILTIN_DEVICES["file-source"] == "evflow.io.file_source:FileSource"
+    assert BUILTIN_DEVICES["event-sink"] == "evflow.runtime.devices.eventsink:SinkDevice"
+    for name in evflow.devices.__all__:
+        assert not name.startswith("_") and hasattr(evflow.devices, name), name
+    assert issubclass(FileSource, evflow.devices.SourceDevice)
+    assert {"SourceDevice", "SinkDevice", "send_end", "acknowledge"} <= set(evflow.devices.__all__)
+
+
+def test_example_file_qc_stores_the_sequential_fill_bin_by_bin(tmp_path: Path) -> None:
+    """2 file sources (halves of uproot-HZZ.root) -> 2 producers -> merger -> repository:
+    the final objects equal MuonQc filled with every entry in order."""
+    proc = up(EXAMPLE, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref = MuonQc(name="muon")
+    ref.initialize()
+    for store in RootInput(file=HZZ, branches=list(MUON_BRANCHES), step_size=500).events(0):
+        ref.event(store)
+    assert int(ref.objects["n_mu"].sum(flow=True)) == HZZ_ENTRIES
+    with Repository(tmp_path / "file-qc.sqlite", readonly=True) as repo:
+        assert sorted(repo.paths()) == sorted(f"qc/muon/{n}" for n in ref.objects)
+        for name, want in ref.objects.items():
+            got = repo.latest(f"qc/muon/{name}", run=1)
+            assert got is not None and got.metadata["final"], name
+            assert np.array_equal(got.obj.view(flow=True), want.view(flow=True)), name
+            assert got.event_count == HZZ_ENTRIES
+            assert got.completeness["ended"] == ["producer_0", "producer_1"]
+
+
+def test_root_file_in_chunks_to_an_event_sink_counts_every_entry(tmp_path: Path) -> None:
+    """3 sources share the file (step_size 300, 64 events a message): the sink counts
+    2421 events, messages = the sum the ENDs announced."""
+    topo = tmp_path / "t.toml"
+    params = ('{ file = "uproot-HZZ.root", branches = "NMuon", step_size = 300, batch = 64, '
+              "copies = 3 }")  # fmt: skip
+    topo.write_text(sources_to_sink("file-source", params, copies=3))
+    proc = up(topo, tmp_path, "--stats-dir", str(tmp_path / "stats"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = stats(tmp_path / "stats")
+    sink = found["sink"]["sink"]
+    assert sink["events"] == sink["events_announced"] == HZZ_ENTRIES
+    assert sink["received"] == sink["announced"] and sink["ends"] == 3
+    parts = [found[f"source_{k}"]["source"] for k in range(3)]
+    assert [p["entries"] for p in parts] == [807, 807, 807]
+    assert [p["first"] for p in parts] == [0, 807, 1614]
+    assert all(p["acked"] == 1 and p["exhausted"] for p in parts)
+
+
+def test_record_file_to_a_users_sink_every_event_once(tmp_path: Path) -> None:
+    n = 1000
+    file = tmp_path / "in.evr"
+    with RecordWriter(str(file)) as w:
+        for i in range(n):
+            store = evflow.devices.DataStore(evflow.devices.EventMeta(uid=i, event=i))
+            store["x"] = 3 * i
+            w.write_record(uid=i, flags=0, payload=pack_frames(encode_event(store)))
+    topo = tmp_path / "t.toml"
+    topo.write_text(sources_to_sink("file-source", f'{{ file = "{file}", batch = 7, copies = 2 }}',
+                                    sink="_file_devices:SumSink", copies=2))  # fmt: skip
+    proc = up(topo, tmp_path, "--stats-dir", str(tmp_path / "stats"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = stats(tmp_path / "stats")["sink"]
+    assert found["sum"] == {"total": 3 * n * (n - 1) // 2, "uids": n, "distinct": n,
+                            "min": 0, "max": n - 1}  # fmt: skip
+    assert found["sink"]["events"] == found["sink"]["events_announced"] == n
+
+
+def test_a_users_source_and_sink_with_the_public_api(tmp_path: Path) -> None:
+    n = 5000
+    topo = tmp_path / "t.toml"
+    topo.write_text(sources_to_sink("_file_devices:Squares", f"{{ n = {n}, copies = 2 }}",
+                                    sink="_file_devices:SumSink", copies=2))  # fmt: skip
+    proc = up(topo, tmp_path, "--stats-dir", str(tmp_path / "stats"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = stats(tmp_path / "stats")
+    assert found["sink"]["sum"]["total"] == sum(i * i for i in range(n))
+    assert found["sink"]["sum"]["distinct"] == n
+    assert found["sink"]["sink"]["ends"] == 2
+    assert sum(found[f"source_{k}"]["source"]["events"] for k in range(2)) == n
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ('{ file = "nope.root" }', "ROOT input file 'nope.root' does not exist"),
+        (f'{{ file = "{HZZ}", tree = "evts" }}', "has no tree 'evts' (trees in it: events)"),
+        (f'{{ file = "{HZZ}", branches = "NMuon,Muon_Pt" }}', "has no branch 'Muon_Pt'"),
+        ('{ file = "BROKEN.root" }', "is not a readable ROOT file"),
+        ('{ file = "BROKEN.evr" }', "is not an evflow record file"),
+        ('{ file = "missing.evr" }', "does not exist"),
+    ],
+)
+def test_a_bad_input_is_one_error_line_before_anything_starts(
+    tmp_path: Path, params: str, message: str
+) -> None:
+    (tmp_path / "BROKEN.root").write_bytes(b"not a ROOT file at all" * 100)
+    (tmp_path / "BROKEN.evr").write_bytes(b"garbage" * 100)
+    topo = tmp_path / "t.toml"
+    topo.write_text(sources_to_sink("file-source", params))
+    proc = up(topo, tmp_path, timeout_s=60)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"evflow: error: {topo}: device 'source': "), lines[0]
+    assert message in lines[0]

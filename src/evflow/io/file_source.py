@@ -96,6 +96,8 @@ class FileSource(SourceDevice):
     def init_task(self) -> None:
         self._input = self.input_for(self._params)
         total = self._input.total()
+        if total is None:  # (record and ROOT readers always know)
+            raise InputError(f"device {self.id!r}: cannot tell how many events {self.file!r} holds")
         if self.max_events:
             total = min(total, self.max_events)
         self.part = self.share(total)

@@ -19,15 +19,18 @@ from typing import Any
 
 import numpy as np
 import pytest
+import zmq
 
 import evflow.devices
+from _proc import finish, read_stats, start_device
 from evflow.demo.muonqc import MUON_BRANCHES, MuonQc
 from evflow.io.file_source import FileSource, resolve_input_file
 from evflow.io.records import RecordWriter
 from evflow.io.root import RootInput
 from evflow.qc.repository import Repository
 from evflow.runtime.devices import BUILTIN_DEVICES
-from evflow.wire.codec import encode_event, pack_frames
+from evflow.wire.codec import encode_batch, encode_event, pack_frames
+from evflow.wire.messages import MsgType, encode_message
 
 HERE = Path(__file__).parent
 EXAMPLE = HERE.parent / "examples" / "topologies" / "file_qc.toml"
@@ -167,3 +170,63 @@ def test_a_bad_input_is_one_error_line_before_anything_starts(
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith(f"evflow: error: {topo}: device 'source': "), lines[0]
     assert message in lines[0]
+
+
+def _push_to_event_sink(
+    tmp_path: Path, messages: list[list[bytes]]
+) -> tuple[int, str, dict[str, Any]]:
+    """Run ``evflow device event-sink`` on a pull socket, push ``messages``; its exit
+    code, stderr and summary."""
+    stats_file = tmp_path / "sink.json"
+    channel = "name=data,type=pull,method=bind,address=ipc://es"
+    sink = start_device("event-sink", "--id", "sink", "--stats-file", str(stats_file),
+                        "--channel-config", channel)  # fmt: skip
+    ctx: zmq.Context[Any] = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.connect(f"ipc://{os.environ['EVFLOW_RUNTIME_DIR']}/default/es")
+    for frames in messages:
+        push.send_multipart(frames)
+    code, _, err = finish(sink, 30)
+    push.close(0)
+    ctx.term()
+    return code, err, read_stats(stats_file)["sink"]
+
+
+def _events(*uids: int) -> list[Any]:
+    stores = []
+    for i in uids:
+        store = evflow.devices.DataStore(evflow.devices.EventMeta(uid=i, event=i))
+        store["x"] = np.arange(i, dtype=np.float32)
+        stores.append(store)
+    return encode_message(MsgType.EVENTS, None, encode_batch(stores))
+
+
+def test_event_sink_refuses_what_does_not_decode_and_never_passes_it_on(tmp_path: Path) -> None:
+    garbage = [b"\x03", b"\x80", b"\x93\x01\x02"]  # EVENTS whose payload is no event
+    code, err, sink = _push_to_event_sink(tmp_path, [
+        _events(0, 1, 2), garbage, _events(3),
+        encode_message(MsgType.END, {"count": 3, "events": 4, "from": "t"}),
+    ])  # fmt: skip
+    # 2 good messages of the 3 the sender counted: loss is never silent
+    assert code == 1
+    assert "received 2 messages but the senders announced 3" in err
+    assert sink["events"] == 4 and sink["bad_events"] == 1
+    assert err.count("undecodable events dropped") == 1
+
+
+def test_event_sink_checks_the_events_an_end_announces(tmp_path: Path) -> None:
+    code, err, _ = _push_to_event_sink(tmp_path, [
+        _events(0, 1), _events(2),
+        encode_message(MsgType.END, {"count": 2, "events": 5, "from": "t"}),
+    ])  # fmt: skip
+    assert code == 1
+    assert "received 3 events but the senders announced 5" in err
+
+
+def test_event_sink_takes_an_end_with_a_bad_count_without_crashing(tmp_path: Path) -> None:
+    code, err, sink = _push_to_event_sink(tmp_path, [
+        _events(0), encode_message(MsgType.END, {"count": "many", "events": -1, "from": 7}),
+    ])  # fmt: skip
+    assert code == 0, err[-2000:]
+    assert sink["events"] == 1 and sink["ends"] == 1
+    assert "END without a valid count" in err

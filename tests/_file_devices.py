@@ -21,6 +21,21 @@ class Squares(SourceDevice):
             yield store
 
 
+class TalkingSquares(Squares):
+    """Squares that says on stdout when it reaches event 10 and what it sent by each
+    end of its RUNNING loop (``SENT k``, then ``POST_RUN``)."""
+
+    def events(self) -> Iterator[DataStore]:
+        for store in super().events():
+            if store.meta.uid == 10:
+                print("AT 10", flush=True)
+            yield store
+
+    def post_run(self) -> None:
+        print(f"SENT {self.events_sent}\nPOST_RUN", flush=True)
+        super().post_run()
+
+
 class SumSink(SinkDevice):
     """Sums the integer ``field`` and notes every uid; both in its summary."""
 

@@ -22,7 +22,7 @@ import pytest
 import zmq
 
 import evflow.devices
-from _proc import finish, read_stats, start_device
+from _proc import finish, read_stats, start_device, wait_for_line
 from evflow.demo.muonqc import MUON_BRANCHES, MuonQc
 from evflow.io.file_source import FileSource, resolve_input_file
 from evflow.io.records import RecordWriter
@@ -230,3 +230,42 @@ def test_event_sink_takes_an_end_with_a_bad_count_without_crashing(tmp_path: Pat
     assert code == 0, err[-2000:]
     assert sink["events"] == 1 and sink["ends"] == 1
     assert "END without a valid count" in err
+
+
+def test_a_stop_pauses_a_source_and_run_goes_on_with_one_end(tmp_path: Path) -> None:
+    """STOP while the source runs: no END; RUN again: the stream goes on where it
+    stopped and ends once, with every event (a sink stops at the first END)."""
+    n = 300
+    sink_stats, source_stats = tmp_path / "sink.json", tmp_path / "source.json"
+    channel = "name=data,type=router,method=bind,address=ipc://p"
+    sink = start_device("event-sink", "--id", "sink", "--stats-file", str(sink_stats),
+                        "--channel-config", channel)  # fmt: skip
+    source = start_device(
+        "_file_devices:TalkingSquares", "--id", "source", "--n", str(n), "--batch", "1",
+        "--rate", "100", "--control", "interactive", "--stats-file", str(source_stats),
+        "--channel-config", "name=data,type=dealer,method=connect,address=ipc://p",
+        stdin=subprocess.PIPE,
+    )  # fmt: skip
+    assert source.stdin is not None
+
+    def say(keys: str) -> None:
+        assert source.stdin is not None
+        source.stdin.write(keys)
+        source.stdin.flush()
+
+    say("i\nk\nb\nx\nj\nr\n")
+    wait_for_line(source, "AT 10")
+    say("s\n")
+    paused = [int(x[5:]) for x in wait_for_line(source, "POST_RUN") if x.startswith("SENT ")]
+    assert len(paused) == 1 and 10 <= paused[0] < n
+    say("r\n")
+    ended = [int(x[5:]) for x in wait_for_line(source, "POST_RUN") if x.startswith("SENT ")]
+    assert ended == [n]
+    say("q\n")
+    code, _, err = finish(source, 30)
+    assert code == 0, err[-2000:]
+    code, _, err = finish(sink, 30)
+    assert code == 0, err[-2000:]
+    got = read_stats(sink_stats)["sink"]
+    assert got["events"] == got["events_announced"] == n and got["ends"] == 1
+    assert read_stats(source_stats)["source"]["acked"] == 1

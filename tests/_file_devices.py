@@ -1,4 +1,5 @@
-"""Devices written as a user would, with the public ``evflow.devices`` API only
+"""Devices written as a user would, with the public API only (``evflow``,
+``evflow.runtime.devices``)
 (run as ``_file_devices:Class`` with tests/ on PYTHONPATH)."""
 
 from __future__ import annotations
@@ -6,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from evflow.devices import DataStore, EventMeta, Param, SinkDevice, SourceDevice
+from evflow import DataStore, EventMeta, Param
+from evflow.runtime.devices import SinkDevice, SourceDevice
 
 
 class Squares(SourceDevice):

@@ -1,4 +1,4 @@
-"""The ``file-source`` device and the public source/sink API (``evflow.devices``).
+"""The ``file-source`` device and the public source/sink API (``evflow.runtime.devices``).
 
 Real topologies through ``evflow up``: a ROOT file (uproot-HZZ.root) read in chunks
 feeds QC producers whose merged histograms equal a sequential fill bin by bin, and an
@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 import zmq
 
-import evflow.devices
+import evflow
+import evflow.runtime.devices as public
 from _proc import finish, read_stats, start_device, wait_for_line
 from evflow.demo.muonqc import MUON_BRANCHES, MuonQc
 from evflow.io.file_source import FileSource, resolve_input_file
@@ -68,10 +69,12 @@ def sources_to_sink(source: str, params: str, sink: str = "event-sink", copies: 
 def test_the_devices_are_built_in_and_the_api_is_public() -> None:
     assert BUILTIN_DEVICES["file-source"] == "evflow.io.file_source:FileSource"
     assert BUILTIN_DEVICES["event-sink"] == "evflow.runtime.devices.eventsink:SinkDevice"
-    for name in evflow.devices.__all__:
-        assert not name.startswith("_") and hasattr(evflow.devices, name), name
-    assert issubclass(FileSource, evflow.devices.SourceDevice)
-    assert {"SourceDevice", "SinkDevice", "send_end", "acknowledge"} <= set(evflow.devices.__all__)
+    for name in public.__all__:
+        assert not name.startswith("_") and hasattr(public, name), name
+    assert issubclass(FileSource, public.SourceDevice)
+    wanted = {"SourceDevice", "SinkDevice", "send_end", "wait_for_acks", "acknowledge",
+              "send_when_ready"}  # fmt: skip
+    assert wanted <= set(public.__all__)
 
 
 def test_example_file_qc_stores_the_sequential_fill_bin_by_bin(tmp_path: Path) -> None:
@@ -118,7 +121,7 @@ def test_record_file_to_a_users_sink_every_event_once(tmp_path: Path) -> None:
     file = tmp_path / "in.evr"
     with RecordWriter(str(file)) as w:
         for i in range(n):
-            store = evflow.devices.DataStore(evflow.devices.EventMeta(uid=i, event=i))
+            store = evflow.DataStore(evflow.EventMeta(uid=i, event=i))
             store["x"] = 3 * i
             w.write_record(uid=i, flags=0, payload=pack_frames(encode_event(store)))
     topo = tmp_path / "t.toml"
@@ -195,7 +198,7 @@ def _push_to_event_sink(
 def _events(*uids: int) -> list[Any]:
     stores = []
     for i in uids:
-        store = evflow.devices.DataStore(evflow.devices.EventMeta(uid=i, event=i))
+        store = evflow.DataStore(evflow.EventMeta(uid=i, event=i))
         store["x"] = np.arange(i, dtype=np.float32)
         stores.append(store)
     return encode_message(MsgType.EVENTS, None, encode_batch(stores))

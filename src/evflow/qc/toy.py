@@ -23,11 +23,13 @@ import boost_histogram as bh
 import hist
 import numpy as np
 
-from evflow.devices import Device, send_end, send_when_ready, wait_for_acks
 from evflow.params import Param
 from evflow.processing.datastore import DataStore, EventMeta
 from evflow.qc.producer import QcTask
 from evflow.qc.recordbatch import RecordBatch
+from evflow.runtime._loops import send_when_ready
+from evflow.runtime.device import Device
+from evflow.runtime.devices._stream import send_end, wait_for_acks
 from evflow.wire.codec import encode_batch
 from evflow.wire.messages import MsgType, encode_message
 

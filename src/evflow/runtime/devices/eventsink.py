@@ -24,7 +24,6 @@ from typing import Any
 
 from evflow.errors import CodecError, PeerLostError
 from evflow.params import Param
-from evflow.processing.datastore import DataStore
 from evflow.runtime.device import Device, Origin
 from evflow.runtime.devices._stream import EndTracker, acknowledge
 from evflow.wire.codec import decode_batch, decode_event
@@ -35,7 +34,7 @@ __all__ = ["SinkDevice", "decode_events"]
 log = logging.getLogger("evflow.device")
 
 
-def decode_events(frames: Sequence[Any]) -> list[DataStore]:
+def decode_events(frames: Sequence[Any]) -> list[Any]:
     """The events of one EVENTS payload (one event or a batch); CodecError if neither."""
     try:
         return [decode_event(frames)]
@@ -64,8 +63,8 @@ class SinkDevice(EndTracker, Device):
     channel_name = Param(str, "data", "input channel")
     inputs = Param(int, 0, "END messages to wait for (0 = one per sub-channel)")
 
-    def event(self, store: DataStore) -> None:
-        """One event that arrived (override; the default only counts it)."""
+    def event(self, store: Any) -> None:
+        """One event that arrived, a ``DataStore`` (override; the default only counts it)."""
 
     def init_task(self) -> None:
         self.messages = 0

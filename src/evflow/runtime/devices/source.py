@@ -29,7 +29,6 @@ from typing import Any
 
 from evflow.errors import ConfigurationError
 from evflow.params import Param
-from evflow.processing.datastore import DataStore
 from evflow.runtime._loops import send_when_ready
 from evflow.runtime.device import Device
 from evflow.runtime.devices._stream import send_end, wait_for_acks
@@ -69,8 +68,10 @@ class SourceDevice(Device):
         super().__init__(*args, **kwargs)
         self._stream: dict[str, Any] | None = None
 
-    def events(self) -> Iterable[DataStore]:
-        """The events to send, in order (a generator: its ``finally`` closes files)."""
+    def events(self) -> Iterable[Any]:
+        """The events to send, in order: ``DataStore`` objects (``evflow.DataStore``; not
+        imported here, the runtime sits below the event model). A generator: its
+        ``finally`` closes files."""
         raise NotImplementedError(f"{type(self).__name__} must define events()")
 
     def share(self, total: int) -> range:

@@ -93,6 +93,8 @@ class SourceDevice(Device):
 
     def conditional_run(self) -> bool:
         state = self._stream_state()
+        if state["ended"]:
+            return False  # one stream per process: its END went already
         if state["pending"] is None:
             chunk = list(itertools.islice(state["iter"], self.batch))
             if not chunk:
@@ -112,7 +114,9 @@ class SourceDevice(Device):
         state["events"][i] += n
         return True
 
-    def _stream_state(self) -> dict[str, Any]:
+    def _stream_state(self, start: bool = True) -> dict[str, Any]:
+        """The stream's counters; ``start``: with the iterator over ``events()`` (a
+        device told to leave before it ever ran ends its stream without one)."""
         state = self._stream
         if state is None:
             if self.batch < 1:
@@ -121,10 +125,12 @@ class SourceDevice(Device):
                 )
             subs = len(self.channel_list(self.channel_name))
             state = {
-                "iter": iter(self.events()), "pending": None, "next": 0, "exhausted": False,
+                "iter": None, "pending": None, "next": 0, "exhausted": False,
                 "ended": False, "messages": [0] * subs, "events": [0] * subs, "acked": 0,
             }  # fmt: skip
             self._stream = state
+        if start and state["iter"] is None and not state["ended"]:
+            state["iter"] = iter(self.events())
         return state
 
     def post_run(self) -> None:
@@ -141,11 +147,11 @@ class SourceDevice(Device):
 
     def end_stream(self) -> None:
         """Send END (once) on every sub-channel and wait for the ACKs; close events()."""
-        state = self._stream_state()
+        state = self._stream_state(start=False)
         if state["ended"]:
             return
         state["ended"] = True
-        it: Iterator[Any] = state["iter"]
+        it: Iterator[Any] | None = state["iter"]
         close = getattr(it, "close", None)
         if close is not None:
             close()  # the generator's finally: files closed now, not at exit

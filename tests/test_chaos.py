@@ -26,7 +26,6 @@ import evflow
 from _kill import HoldUntil, kill_role_when
 from _wait import size_of, wait_until
 from evflow import DataStore, Module, Param, Path
-from evflow.errors import CheckpointError
 from evflow.io.generators import BusyWork, ToyGenerator
 from evflow.io.records import RecordOutput, RecordReader, decode_record
 from evflow.processing.datastore import FLAG_QUARANTINED, QUARANTINE_REASON
@@ -347,11 +346,16 @@ def test_kill_9_of_the_whole_run_then_resume_writes_every_uid_once(tmp_path: FsP
     assert not ckpt.exists()  # complete: nothing left to resume
 
 
-def test_resume_without_checkpoint_or_output_is_a_clear_error(tmp_path: FsPath) -> None:
-    path = Path([ToyGenerator(n_events=10), BusyWork(work_ms=0.0),
-                 RecordOutput(file=str(tmp_path / "none.evr"))])  # fmt: skip
-    with pytest.raises(CheckpointError, match="nothing to resume"):
-        evflow.process(path, workers=1, quiet=True, resume=True)
+def test_resume_without_checkpoint_or_output_starts_from_the_beginning(
+    tmp_path: FsPath, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # killed before its first checkpoint and its first write: a re-queued --resume runs
+    out = tmp_path / "none.evr"
+    path = Path([ToyGenerator(n_events=10), BusyWork(work_ms=0.0), RecordOutput(file=str(out))])
+    summary = evflow.process(path, workers=1, quiet=True, resume=True)
+    assert summary.events_read == 10
+    assert_exactly_once(out, 10)
+    assert "nothing to resume" in capsys.readouterr().err
 
 
 # kept under its old name: other test files import it from here

@@ -129,6 +129,13 @@ class Device:
     def declared_params(cls) -> dict[str, Param[Any]]:
         return declared_params(cls)
 
+    @classmethod
+    def check_params(cls, params: dict[str, Any]) -> None:
+        """Look at a configuration before any process starts; raise an ``EvflowError``
+        naming what is wrong (e.g. an input file that does not exist). ``evflow up``
+        calls it for a topology that runs on its own host, with every declared
+        parameter (defaults filled in). The default finds nothing wrong."""
+
     def _set_params(self, params: dict[str, Any]) -> None:
         self._params.update(resolve_params(f"device {self.id!r}", self.declared_params(), params))
 

@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from evflow.errors import ConfigurationError, EvflowError
+from evflow.errors import ConfigurationError, EvflowError, PeerLostError
 from evflow.runtime._supervisor_stop import StoppingMixin
 from evflow.runtime.processes import (
     RESTART_POLICIES,
@@ -105,6 +105,14 @@ class Supervisor(StoppingMixin):
         self._context: Any = None
         self._controller: Any = None
         self.failed: list[ExitEvent] = []
+        #: replace a zygote that died (its children died with it and are handled as
+        #: any death: restarted by their policy). Off unless asked for: a caller that
+        #: polls :meth:`fileno` must then register it again after a replacement
+        self.replace_lost_zygote = False
+        self.zygote_replacements = 0
+        #: ``callback(new_zygote_pid)`` after a replacement, before anything is forked
+        self.on_new_zygote: list[Callable[[int], None]] = []
+        self._carried: list[tuple[int, int]] = []  # exits the lost zygote left
 
     def __repr__(self) -> str:
         alive = sum(p.alive for p in self.processes.values())
@@ -174,13 +182,22 @@ class Supervisor(StoppingMixin):
         for proc in procs:
             if proc.spec.before_launch is not None:
                 proc.spec.before_launch(proc)
-        items = [(p.spec.target, p.args, p.label) for p in procs if p.spec.target is not None]
-        for proc, pid in zip(procs, self.zygote.spawn_many(items), strict=True):
+        try:
+            pids = self.zygote.spawn_many(self._items(procs))
+        except PeerLostError:
+            if not self._replace_zygote():
+                raise
+            pids = self.zygote.spawn_many(self._items(procs))  # (arguments made again)
+        for proc, pid in zip(procs, pids, strict=True):
             if isinstance(pid, int):
                 self._launched(proc, pid)
             else:
                 self._fail(proc, -1, 1, f"{proc.name}: cannot start: {pid}")
         return procs
+
+    @staticmethod
+    def _items(procs: list[ManagedProcess]) -> list[tuple[Any, tuple[Any, ...], str]]:
+        return [(p.spec.target, p.args, p.label) for p in procs if p.spec.target is not None]
 
     def add_function(
         self, name: str, target: Callable[..., int | None], *args: Any, **policy: Any
@@ -193,6 +210,30 @@ class Supervisor(StoppingMixin):
         return self.add(ProcessSpec(name, argv=list(argv), **policy))
 
     def _launch(self, proc: ManagedProcess) -> None:
+        try:
+            self._launch_once(proc)
+        except PeerLostError:  # the zygote died (under the request, or before it)
+            if not self._replace_zygote():
+                raise
+            self._launch_once(proc)  # its arguments made again for the new zygote
+
+    def _replace_zygote(self) -> bool:
+        """Start a new zygote in place of the lost one; False if not allowed (or it
+        still runs). Its children died with it (PDEATHSIG): their exits, reported as
+        SIGKILL, are handled by the next :meth:`reap` like any other death."""
+        old = self.zygote
+        if not self.replace_lost_zygote or old.alive or self._stopping or self._final:
+            return False
+        self._carried.extend(old.stop(grace_s=0.0))
+        self.zygote = Zygote().start(replacing=True)
+        self.zygote_replacements += 1
+        log.warning("zygote pid %s died; a new zygote (pid %s) forks the processes from now on",
+                    old.pid, self.zygote.pid)  # fmt: skip
+        for callback in self.on_new_zygote:
+            callback(self.zygote.pid or 0)
+        return True
+
+    def _launch_once(self, proc: ManagedProcess) -> None:
         spec = proc.spec
         if spec.before_launch is not None:
             spec.before_launch(proc)
@@ -252,7 +293,14 @@ class Supervisor(StoppingMixin):
     def reap(self) -> list[ExitEvent]:
         """Handle the deaths noticed so far (never blocks; no callbacks): a ``decide``
         hook's immediate restart is forked here, a delayed one by :meth:`launch_due`."""
-        return [self._handle_exit(pid, rc) for pid, rc in self.zygote.exits()]
+        exits = self.zygote.exits()
+        if not self.zygote.alive and self._started:
+            # replaced before its children's deaths are decided: their restarts are
+            # forked by the new zygote, with arguments that name it
+            self._replace_zygote()
+        exits = self._carried + exits + self.zygote.exits()
+        self._carried = []
+        return [self._handle_exit(pid, rc) for pid, rc in exits]
 
     def launch_due(self) -> list[ExitEvent]:
         """Fork the restarts whose backoff is over (no callbacks); failed ones as events."""
@@ -410,7 +458,7 @@ class Supervisor(StoppingMixin):
             self._controller.close()
             self._context.term()
             self._controller = self._context = None
-        if self.zygote.pid is not None and self.zygote.alive:
+        if self.zygote.pid is not None:  # a lost one too: its sockets, its zombie
             self._stopping = True  # what the zygote's stop reaps is not restarted
             for pid, rc in self.zygote.stop(grace_s=0.5):
                 self._handle_exit(pid, rc)

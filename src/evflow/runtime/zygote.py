@@ -89,11 +89,16 @@ class Zygote:
         return f"<Zygote pid={self.pid} {state} children={len(self._live)}>"
 
     # --- lifecycle ----------------------------------------------------------------
-    def start(self) -> Zygote:
-        """Fork the zygote process. Returns self. Call before creating any zmq context."""
+    def start(self, replacing: bool = False) -> Zygote:
+        """Fork the zygote process. Returns self. Call before creating any zmq context.
+
+        ``replacing``: this zygote replaces one that died, forked from a process that
+        has a zmq context by now (no warning). Its children then hold copies of that
+        context's socket descriptors, which they never use: harmless for ipc, while a
+        tcp port the caller bound stays held until they exit."""
         if self.pid is not None:
             raise ConfigurationError("Zygote.start() called twice")
-        if zmq_threads_running():
+        if not replacing and zmq_threads_running():
             # children would inherit the context's sockets (a bound port stays held)
             log.warning(
                 "Zygote.start() called after a zmq context was created in pid %d; "

@@ -1,5 +1,6 @@
 """Checks of a whole topology: hosts exist, channels name real peers that bind, no
-cycle of connects, device classes and their parameters exist.
+cycle of connects, device classes and their parameters exist (and, for a topology
+that runs on this host only, what a class checks with ``check_params``, e.g. input files).
 
 Called by :func:`evflow.topology.spec.parse_topology`; each failure is one
 ConfigurationError naming the file, the device, the channel and the fix.
@@ -9,7 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from evflow.errors import ConfigurationError
+from evflow.errors import ConfigurationError, EvflowError
+from evflow.params import resolve_params
 
 if TYPE_CHECKING:
     from evflow.topology.spec import ChannelSpec, TopologySpec
@@ -90,6 +92,7 @@ def _connect_chain(spec: TopologySpec, start: str, ch: ChannelSpec) -> list[str]
 
 
 def check_classes(spec: TopologySpec) -> None:
+    from evflow.runtime.device import Device
     from evflow.runtime.runner import load_device_class
 
     runtime_options = {"rate", "max_iterations"}
@@ -115,3 +118,11 @@ def check_classes(spec: TopologySpec) -> None:
                 declared[key].check(f"device {dev.name!r}", value)
             except ConfigurationError as exc:
                 raise ConfigurationError(f"{spec.source}: {exc}") from None
+        checker = next(k for k in cls.__mro__ if "check_params" in vars(k))
+        if not spec.hosts and checker is not Device:
+            # every device runs on this host: what it will read can be looked at now,
+            # one line before anything starts instead of a device failing at INIT_TASK
+            try:
+                cls.check_params(resolve_params(f"device {dev.name!r}", declared, dev.params))
+            except EvflowError as exc:
+                raise ConfigurationError(f"{where}: {exc}") from None

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from evflow.errors import CheckpointError, ConfigurationError, OutputError
+from evflow.processing.parallel.notices import say
 
 FORMAT = "evflow-checkpoint"
 VERSION = 1
@@ -237,7 +238,10 @@ def plan(output_files: list[str], resume: bool, interval_s: float = 2.0) -> dict
 
     A run with an output file keeps a checkpoint next to it. ``resume``: continue from
     that checkpoint (the input reads from its position; the output appends to its file
-    and drops the uids already there); a missing checkpoint is an error naming the file.
+    and drops the uids already there). With neither a checkpoint nor an output (the run
+    was killed before its first checkpoint and its first write) there is nothing to
+    continue: the run starts from the beginning and says so in one line, so that a batch
+    system re-queueing the same command line does not fail for ever.
     """
     if not output_files:
         if resume:
@@ -252,9 +256,11 @@ def plan(output_files: list[str], resume: bool, interval_s: float = 2.0) -> dict
         cp = CheckpointFile(path).load()
         if cp is None:
             if not os.path.exists(output_files[0]):
-                raise CheckpointError(
-                    f"nothing to resume: no checkpoint {path} and no output {output_files[0]}"
+                say(
+                    f"evflow: nothing to resume (no checkpoint {path} and no output "
+                    f"{output_files[0]}): starting from the beginning"
                 )
+                resume = False
             start = 0  # stopped before the first checkpoint: the output dedups
         else:
             start = cp.position

@@ -20,6 +20,7 @@ reports to (HELLO, STATE ERROR, RESULT) and reacts to:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import secrets
@@ -153,6 +154,11 @@ class Parent(ControlMixin, ExitPolicy, RunSummaryMixin):
         # the runtime's supervisor forks, reaps, kills and restarts every role
         self.sup = Supervisor(self.session)
         self.sup.signals = self.signals  # SIGINT/SIGTERM: what _handle_signals reads
+        # a killed zygote is replaced, in start-up too; the roles that died with it
+        # are restarted by their policies (exitpolicy.py)
+        self.sup.replace_lost_zygote = True
+        self.sup.on_new_zygote.append(self._new_zygote)
+        self.zap: Any = None
         restore = self.sup.install_signal_handlers(keep_ignored=True)
         remove_stale_sessions()  # left by runs killed with kill -9 (their owner is gone)
         _preload(self.split)
@@ -172,7 +178,7 @@ class Parent(ControlMixin, ExitPolicy, RunSummaryMixin):
             claim_session(self.session)  # so that a later run can tell if this one died
             ctx = zmq.Context()
             if self.auth is not None:  # only the run's processes may report here
-                zap = self.auth.handler(ctx, "parallel parent", {})
+                zap = self.zap = self.auth.handler(ctx, "parallel parent", {})
             security.install(self.auth)
             try:
                 ctl = channel(ctx, self.session, "ctl", "router", "bind")
@@ -313,12 +319,35 @@ class Parent(ControlMixin, ExitPolicy, RunSummaryMixin):
         pass
 
     # --- the watch loop -----------------------------------------------------------------
+    def _new_zygote(self, pid: int) -> None:
+        """A new zygote replaced a dead one: the run's processes are its children now."""
+        if self.auth is None:
+            return
+        self.auth = dataclasses.replace(self.auth, zygote_pid=pid)
+        self.role_options["auth"] = self.auth
+        if self.zap is not None:
+            self.zap.parent_pid = pid
+        for proc in self.sup.processes.values():  # restarts decided before: their copies
+            proc.args = tuple(self._with_auth(arg) for arg in proc.args)
+
+    def _with_auth(self, arg: Any) -> Any:
+        if isinstance(arg, RunAuth):
+            return self.auth
+        if isinstance(arg, dict) and isinstance(arg.get("auth"), RunAuth):
+            return {**arg, "auth": self.auth}
+        return arg
+
     def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self.ctl, zmq.POLLIN)
-        poller.register(self.sup.fileno(), zmq.POLLIN)
+        deaths = self.sup.fileno()
+        poller.register(deaths, zmq.POLLIN)
         self._remote_poll(poller)
         while self.sup.live:
+            if self.sup.fileno() != deaths:  # a new zygote: its notices
+                poller.unregister(deaths)
+                deaths = self.sup.fileno()
+                poller.register(deaths, zmq.POLLIN)
             due_s = self.sup.next_restart_in_s()
             poller.poll(100 if due_s is None else min(100, int(due_s * 1000) + 1))
             self._drain_ctl()

@@ -204,3 +204,16 @@ def test_bad_objects_for_a_ttree_are_output_errors(tmp_path: Path) -> None:
     with pytest.raises(OutputError, match=r"event uid=501 has no object 'pt'"):
         out2.event(stores[1])
     out2.close()
+
+
+def test_a_bare_test_file_name_is_found_in_scikit_hep_testdata(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's steering example names `uproot-HZZ.root` without a path: it reads the
+    copy that scikit-hep-testdata ships, from any directory; a name that is neither here
+    nor shipped is still refused as missing."""
+    monkeypatch.chdir(tmp_path)
+    source = RootInput(file="uproot-HZZ.root", branches=["NMuon"])
+    assert sum(1 for _ in source.events()) == 2421
+    with pytest.raises(InputError, match="'nope.root' does not exist"):
+        RootInput(file="nope.root")

@@ -16,33 +16,17 @@ anything starts (``evflow up`` calls :meth:`FileSource.check_params`).
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Iterator
 from typing import Any
 
 from evflow.errors import InputError
+from evflow.io.root import resolve_input_file
 from evflow.params import Param
 from evflow.processing.datastore import DataStore
 from evflow.processing.module import Source
 from evflow.runtime.devices.source import SourceDevice
 
 __all__ = ["FileSource", "open_file_input", "resolve_input_file"]
-
-
-def resolve_input_file(name: str) -> str:
-    """``name`` if it exists (or is a path); else the scikit-hep-testdata file of that
-    name when the package ships it; else ``name`` (the reader then says it is missing)."""
-    if os.path.exists(name) or os.sep in name:
-        return name
-    try:
-        from importlib import resources
-
-        shipped = resources.files("skhep_testdata.data") / name
-        if shipped.is_file():
-            return str(shipped)
-    except (ImportError, OSError, TypeError):
-        pass
-    return name
 
 
 def open_file_input(

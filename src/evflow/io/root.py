@@ -38,8 +38,26 @@ META_BRANCHES: dict[str, np.dtype[Any]] = {
 }
 
 
+def resolve_input_file(name: str) -> str:
+    """``name`` if it exists (or is a path); else the scikit-hep-testdata file of that
+    name when the package ships it; else ``name`` (the reader then says it is missing)."""
+    if os.path.exists(name) or os.sep in name:
+        return name
+    try:
+        from importlib import resources
+
+        shipped = resources.files("skhep_testdata.data") / name
+        if shipped.is_file():
+            return str(shipped)
+    except (ImportError, OSError, TypeError):
+        pass
+    return name
+
+
 def _open_tree(file: str, tree: str) -> tuple[Any, Any]:
-    """``(file, tree)`` opened with uproot, or an ``InputError`` naming what is wrong."""
+    """``(file, tree)`` opened with uproot, or an ``InputError`` naming what is wrong.
+    A bare name that is not here is looked up among scikit-hep-testdata's files."""
+    file = resolve_input_file(file)
     import uproot
 
     if not os.path.exists(file):

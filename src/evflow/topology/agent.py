@@ -122,7 +122,7 @@ class Agent:
     # --- commands ------------------------------------------------------------------
     def _spawn(self, args: dict[str, Any]) -> dict[str, Any]:
         from evflow.runtime.processes import ProcessSpec
-        from evflow.topology.node import run_node
+        from evflow.topology.node import FINAL_EXIT, run_node
 
         launches = args.get("devices")
         if not isinstance(launches, list):
@@ -147,6 +147,7 @@ class Agent:
                 restart=str(launch.get("restart", "never")),
                 max_restarts=int(launch.get("max_restarts", 3)),
                 backoff_s=float(launch.get("restart_backoff_s", 0.1)),
+                final_codes=(FINAL_EXIT,),
                 stop_order=int(launch.get("stop_order", 0)),
                 grace_s=self.grace_s,
             ))  # fmt: skip

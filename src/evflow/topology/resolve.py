@@ -289,9 +289,8 @@ def _auto_inputs(
     dev_id: str,
     connections: dict[tuple[str, str], list[tuple[str, str]]],
 ) -> None:
-    """Set ``inputs`` to the number of peers of the input channel, if the class has it."""
-    if "inputs" in params:
-        return
+    """Set ``inputs`` to the number of peers of the input channel, and ``senders`` to
+    their ids (whose END alone counts), if the class has them and the file does not."""
     try:
         from evflow.runtime.runner import load_device_class
 
@@ -307,8 +306,10 @@ def _auto_inputs(
                 name = declared[key].default
                 break
     peers = connections.get((dev_id, str(name)))
-    if peers:
+    if peers and "inputs" not in params:
         params["inputs"] = len(peers)
+    if peers and "senders" in declared and "senders" not in params:
+        params["senders"] = ",".join(sorted({p for p, _ in peers}))
 
 
 def _stop_levels(connections: dict[tuple[str, str], list[tuple[str, str]]]) -> dict[str, int]:

@@ -187,3 +187,21 @@ def test_a_count_failure_at_the_natural_end_is_final_not_restarted(tmp_path: Pat
     assert code == 1 and len(errors) == 1, said
     assert "sink 'sink': 1 of 2001 announced messages missing" in errors[0], said
     assert "restarting sink" not in out, said
+
+
+def test_qc_producer_killed_mid_stream_ends_with_one_line_naming_it(tmp_path: Path) -> None:
+    """A restarted qc-producer takes the rest of its source's events and ENDs its merger
+    (which would otherwise wait for ever); what its dead process filled and had not
+    published is gone, so the run fails with one line naming it (before: it waited for
+    ever for its source's END)."""
+    from test_topology_forged_end import N_EVENTS, RUN, TOPOLOGY
+
+    text = TOPOLOGY.format(
+        n_events=N_EVENTS, run=RUN, repo=tmp_path / "qc.sqlite", expendable="false"
+    ).replace('class = "qc-producer"', 'class = "qc-producer"\nrestart = "on-failure"')
+    code, out, _found = run_and_kill(tmp_path, text, "producer_0", 1.5)
+    said = "\n".join(line for line in out.splitlines() if "msg/s" not in line)[-4000:]
+    errors = [line for line in out.splitlines() if line.startswith("evflow: error:")]
+    assert code == 1 and len(errors) == 1, said
+    assert "qc-producer 'producer_0': restarted after its process died" in errors[0], said
+    assert "Traceback" not in out, said

@@ -205,3 +205,49 @@ def test_qc_producer_killed_mid_stream_ends_with_one_line_naming_it(tmp_path: Pa
     assert code == 1 and len(errors) == 1, said
     assert "qc-producer 'producer_0': restarted after its process died" in errors[0], said
     assert "Traceback" not in out, said
+
+
+def test_a_sender_that_exited_while_its_receiver_was_dead_does_not_hang_the_run(
+    tmp_path: Path,
+) -> None:
+    """The sink is stopped (SIGSTOP) while the sampler sends everything and its END into
+    it, the sampler gives up on the ACK after 1 s and exits, then the sink is SIGKILLed:
+    its new process never gets that END. The controller tells a restarted receiver
+    which of its senders exited (peer-ended), so the run ends with one line naming the
+    END that never came instead of waiting for ever."""
+    text = SINK.format(rate=200, n=400).replace(
+        "params = { msg_size = 64 }", "params = { msg_size = 64, ack_timeout_s = 1.0 }"
+    )
+    topo = tmp_path / "t.toml"
+    topo.write_text(text)
+    session = f"rs{os.getpid()}pe"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "evflow", "up", "--quiet", "--session", session, str(topo)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    lines = Lines(proc)
+    try:
+        lines.wait_for("devices RUNNING", 60)
+        pid = status_pid(session, "sink")
+        assert pid in {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+        assert not lines.wait_exit(0.5)
+        os.kill(pid, signal.SIGSTOP)
+        lines.wait_for("END acknowledgements", 30)  # the sampler gave up on its ACK
+        os.kill(pid, signal.SIGKILL)
+        ended = lines.wait_exit(END_BOUND_S)
+        if not ended:
+            proc.send_signal(signal.SIGINT)
+        code, out = lines.finish(60)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        proc.communicate()
+    said = "\n".join(line for line in out.splitlines() if "msg/s" not in line)[-4000:]
+    assert ended, f"the topology did not end within {END_BOUND_S} s:\n{said}"
+    errors = [line for line in out.splitlines() if line.startswith("evflow: error:")]
+    assert code == 1 and len(errors) == 1, said
+    assert "sink 'sink': the END of sampler never arrived" in errors[0], said

@@ -190,7 +190,17 @@ class Exchange:
         client.handle("ping", check_state)
         client.handle("set-properties", set_properties)
         client.handle("transition", transition)
+
+        def peer_ended(args: dict[str, Any]) -> dict[str, Any]:
+            peers = args.get("peers")
+            handler = getattr(device, "peer_ended", None)
+            for peer in peers if isinstance(peers, list) and handler is not None else ():
+                if isinstance(peer, str) and peer:
+                    handler(peer)
+            return {"node_id": self.launch.id, "handled": handler is not None}
+
         client.handle("peer-lost", peer_lost)
+        client.handle("peer-ended", peer_ended)
 
         def on_change(old: State, new: State, _: Any) -> None:
             if new is State.RUNNING and self.client._next_metrics_s == math.inf:

@@ -20,6 +20,7 @@ from typing import Any
 
 import zmq
 
+from evflow.errors import IncompleteStreamError
 from evflow.runtime._loops import send_when_ready
 from evflow.runtime.device import BIDIRECTIONAL, Device, Origin
 from evflow.runtime.devices._streamrecord import StreamRecord
@@ -268,6 +269,40 @@ class EndTracker:
     @property
     def announced_total(self) -> int:
         return sum(self.record.ends.values())
+
+    @property
+    def unended(self) -> set[str]:
+        """Senders that exited without their END reaching this device (see peer_ended)."""
+        out: set[str] = self.__dict__.setdefault("_unended", set())
+        return out
+
+    def peer_ended(self, peer_id: str) -> None:
+        """``peer_id`` exited cleanly (the controller tells a restarted receiver, every few
+        seconds). If its END is still unknown at the second notice, it never comes (the
+        sender gave up on its ACK while we were dead): stop waiting for it; the counts
+        then cannot hold (``check_unended`` raises)."""
+        dev: Any = self
+        if peer_id in self.ends_from or peer_id in self.lost_peers or peer_id in self.unended:
+            return
+        seen: set[str] = self.__dict__.setdefault("_ended_seen", set())
+        if peer_id not in seen:
+            seen.add(peer_id)
+            return
+        self.unended.add(peer_id)
+        log.error("%s: %s ended, but its END never reached this device", dev.id, peer_id)
+        if hasattr(self, "_needed"):
+            self._needed -= 1
+            if self.ends >= self._needed:
+                dev._loop_stop = True
+
+    def check_unended(self, kind: str) -> None:
+        dev: Any = self
+        if self.unended:
+            raise IncompleteStreamError(
+                f"{kind} {dev.id!r}: the END of {', '.join(sorted(self.unended))} never "
+                "arrived (sent while this device was being restarted, and not acknowledged "
+                "in time); its count cannot be checked"
+            )
 
     @property
     def lost_peers(self) -> set[str]:

@@ -96,6 +96,7 @@ class _Forwarder(EndTracker, Device):
             acked,
             len(self._outs),
         )
+        self.check_unended("forwarder")
         # what went out must be what the inputs announced: a message lost here (read,
         # then the process killed before it went out) is named here, not downstream
         if self.lost_peers or self._raw_in or self.ends < self._needed:

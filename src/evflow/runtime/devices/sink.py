@@ -96,6 +96,7 @@ class Sink(EndTracker, Device):
             self.ends,
             self._needed,
         )
+        self.check_unended("sink")
         if self.lost_peers:
             log.warning(
                 "%s: counts not checked: peer(s) %s were lost before their END",

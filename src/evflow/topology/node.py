@@ -194,9 +194,10 @@ class Exchange:
         def peer_ended(args: dict[str, Any]) -> dict[str, Any]:
             peers = args.get("peers")
             handler = getattr(device, "peer_ended", None)
-            for peer in peers if isinstance(peers, list) and handler is not None else ():
-                if isinstance(peer, str) and peer:
-                    handler(peer)
+            if handler is not None and isinstance(peers, list):
+                for peer in peers:
+                    if isinstance(peer, str) and peer:
+                        handler(peer)
             return {"node_id": self.launch.id, "handled": handler is not None}
 
         client.handle("peer-lost", peer_lost)

@@ -228,6 +228,9 @@ class EndTracker:
 
     def _open_record(self, slots: int) -> StreamRecord:
         dev: Any = self
+        if hasattr(self, "record"):  # a new task of this process, not a restart
+            self.record.reset()
+            return self.record
         directory = getattr(dev, "stream_dir", None)
         self.record = StreamRecord(Path(directory) if directory else None, dev.id, slots)
         return self.record

@@ -83,6 +83,15 @@ class StreamRecord:
         tmp.write_text(json.dumps(self.ends))
         os.replace(tmp, self._ends_path)
 
+    def reset(self) -> None:
+        """A new task in the same process (RESET_TASK, INIT_TASK): counting starts afresh."""
+        for i in range(len(self.counts)):
+            self.counts[i] = 0
+        self.ends = {}
+        self.restarted = False
+        if self._ends_path is not None:
+            self._ends_path.unlink(missing_ok=True)
+
     def close(self) -> None:
         counts, self.counts = self.counts, memoryview(bytearray(len(self.counts) * _SLOT)).cast("q")
         counts.release()

@@ -38,6 +38,8 @@ class Sampler(Device):
     )
     batch = Param(int, 1, "messages per iteration (shm: in one ZeroMQ message, send_many)")
 
+    _record: StreamRecord
+
     def init_task(self) -> None:
         if self.msg_size < 0:
             raise ValueError(f"msg_size must be >= 0, got {self.msg_size}")
@@ -57,7 +59,10 @@ class Sampler(Device):
         self._payload = memoryview(payload)
         # [messages sent]: a restarted sampler goes on from its dead process's count
         directory = getattr(self, "stream_dir", None)
-        self._record = StreamRecord(Path(directory) if directory else None, self.id, 1)
+        if hasattr(self, "_record"):  # a new task of this process, not a restart
+            self._record.reset()
+        else:
+            self._record = StreamRecord(Path(directory) if directory else None, self.id, 1)
         self.sent = self._record.counts[0]
         self._total = self.max_iterations * self.batch
         self.acked = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from evflow.runtime.device import Device
+from evflow.runtime.devices.sampler import Sampler
 
 
 class FailsInInit(Device):
@@ -23,3 +24,11 @@ class FailsOnStop(Device):
 
     def post_run(self) -> None:
         raise ValueError("received 999 of 1000 announced events")
+
+
+class OverAnnounces(Sampler):
+    description = "a sampler whose END announces one message more than it sent"
+
+    def post_run(self) -> None:
+        self.sent += 1
+        super().post_run()

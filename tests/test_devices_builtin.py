@@ -98,7 +98,7 @@ def test_sink_detects_a_count_mismatch(tmp_path: Path) -> None:
     push.close(0)
     ctx.term()
     assert code == 1
-    assert "received 3 messages but the senders announced 5" in err
+    assert "sink 'sink': 2 of 5 announced messages missing; received 3" in err
 
 
 def test_splitter_round_robins_and_keeps_every_message(tmp_path: Path) -> None:

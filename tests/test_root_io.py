@@ -215,5 +215,5 @@ def test_a_bare_test_file_name_is_found_in_scikit_hep_testdata(
     monkeypatch.chdir(tmp_path)
     source = RootInput(file="uproot-HZZ.root", branches=["NMuon"])
     assert sum(1 for _ in source.events()) == 2421
-    with pytest.raises(InputError, match="'nope.root' does not exist"):
+    with pytest.raises(InputError, match=r"'nope\.root' does not exist"):
         RootInput(file="nope.root")

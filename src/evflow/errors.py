@@ -83,6 +83,12 @@ class PeerLostError(EvflowError):
     """A peer process died or stopped answering."""
 
 
+class IncompleteStreamError(PeerLostError):
+    """A stream that ended with a count that does not hold (messages missing, an END that
+    never came or was never acknowledged). Final: a device that ends with it is not
+    restarted (running it again cannot bring the messages back)."""
+
+
 class ClosedError(EvflowError):
     """An operation on something we closed ourselves."""
 

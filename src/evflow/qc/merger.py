@@ -33,7 +33,7 @@ from typing import Any
 import psutil
 import zmq
 
-from evflow.errors import CodecError, ConfigurationError
+from evflow.errors import CodecError, ConfigurationError, IncompleteStreamError
 from evflow.params import Param
 from evflow.qc.mergestate import MergeState
 from evflow.qc.publication import PublishedObject, decode_publication, encode_publication
@@ -311,14 +311,19 @@ class QcMerger(Device):
         end = encode_message(MsgType.END, {"from": self.id, "count": self.qc.sequence, "qc": 1})
         for ch in self._outs:
             if ch.type in BIDIRECTIONAL:  # an upper merger: END until it is acknowledged
-                self._end_upstream(ch, end)
+                if not self._end_upstream(ch, end):
+                    # the final objects may never have been stored: not a clean end
+                    raise IncompleteStreamError(
+                        f"qc-merger {self.id!r}: END on {ch.label} not acknowledged within "
+                        f"{self.ack_timeout_s:g} s: its final objects may not have arrived"
+                    )
                 continue
             try:
                 ch.send(end, zmq.NOBLOCK)
             except zmq.Again:
                 log.error("%s: END on %s not sent (queue full)", self.id, ch.label)
 
-    def _end_upstream(self, ch: Any, end: list[bytes]) -> None:
+    def _end_upstream(self, ch: Any, end: list[bytes]) -> bool:
         """Send END, and again with the final publications every second, until an ACK.
 
         An upper merger killed and restarted meanwhile resumes from a checkpoint that may
@@ -339,10 +344,8 @@ class QcMerger(Device):
             if ch.poll(50):
                 ack = self._bad.decode(ch.recv())
                 if ack is not None and ack.type is MsgType.ACK and ack.header.get("end"):
-                    return
-        log.error(
-            "%s: END on %s not acknowledged within %.1f s", self.id, ch.label, self.ack_timeout_s
-        )
+                    return True
+        return False
 
     # --- metrics -------------------------------------------------------------------------
     def _update_rates(self, now: float) -> None:

@@ -16,12 +16,12 @@ import json
 import logging
 from typing import Any
 
-from evflow.errors import CodecError, ConfigurationError
+from evflow.errors import CodecError, ConfigurationError, IncompleteStreamError
 from evflow.params import Param
 from evflow.processing.datastore import DataStore, RunMeta
 from evflow.qc.producer import QcTask
 from evflow.runtime.device import Device, Origin
-from evflow.runtime.devices._stream import acknowledge
+from evflow.runtime.devices._stream import EndTracker, acknowledge
 from evflow.wire.codec import decode_batch, decode_event
 from evflow.wire.messages import Message, MsgType
 
@@ -55,7 +55,7 @@ def decode_events(frames: list[Any]) -> list[DataStore]:
         return decode_batch(frames)
 
 
-class QcProducer(Device):
+class QcProducer(EndTracker, Device):
     description = "QC producer: a QcTask on the events of data-in, published to a merger"
 
     task = Param(str, "", "the QcTask class, module:Class")
@@ -66,6 +66,7 @@ class QcProducer(Device):
     source = Param(str, "", "source id (default: the device id)")
     run_number = Param(int, 0, "run number of the publications")
     inputs = Param(int, 0, "END messages to wait for (0 = one per data-in sub-channel)")
+    senders = Param(str, "", "ids whose END counts, comma-separated (empty: any sender)")
     in_channel = Param(str, "data-in", "input channel")
 
     def init_task(self) -> None:
@@ -87,10 +88,14 @@ class QcProducer(Device):
             self.qc_task.out_channel = self.channel(OUT)
         self.qc_task.initialize()
         self.qc_task.begin_run(RunMeta(0, self.run_number))
-        self.events_in = 0
+        # [events taken]: a restarted producer knows what its dead process took
+        record = self._open_record(1)
+        self.taken_before = record.counts[0]
+        self.events_in = record.counts[0]
         self.bad_events = 0
-        self.ends = 0
+        self.ends = self._ends_taken()
         self._needed = self.inputs or len(self.channel_list(self.in_channel))
+        self._needed -= len(self.lost_peers)
         self.on_data(self.in_channel, self._handle)
         if self._bus is not None:
             self._bus.handle("qc-set-cycle", self._set_cycle)
@@ -114,15 +119,32 @@ class QcProducer(Device):
             for store in stores:
                 self.qc_task.event(store)
             self.events_in += len(stores)
+            self.record.counts[0] = self.events_in
             return True
         if msg.type is MsgType.END:
-            self.ends += 1
+            counts = self._track_end(msg, origin)
+            if counts is None:
+                return True
+            if counts:
+                self.ends += 1
             acknowledge(self, msg, origin, count=self.events_in)
             return self.ends < self._needed
         return True
 
+    def pre_run(self) -> None:
+        if self.ends >= self._needed:  # a restart: its dead process took every END
+            self._loop_stop = True
+
     def post_run(self) -> None:
-        self.qc_task.end_run(RunMeta(0, self.run_number))
+        self.qc_task.end_run(RunMeta(0, self.run_number))  # its merger must not wait
+        if self.taken_before:
+            # what the dead process filled and had not published died with it, and the
+            # merger cannot tell those events from the ones it has: the objects are short
+            raise IncompleteStreamError(
+                f"qc-producer {self.id!r}: restarted after its process died; of the "
+                f"{self.taken_before} events that process took, those it had not published "
+                f"are missing from the QC objects ({self.events_in} events taken in all)"
+            )
 
     def reset_task(self) -> None:
         self.qc_task.terminate()

@@ -65,6 +65,7 @@ class QcRepositoryDevice(Device):
     repo = Param(str, "", "the SQLite repository file (created if missing)")
     checks = Param(str, "", "check suite: a TOML file (empty: store without checks)")
     inputs = Param(int, 0, "END messages (top mergers) to wait for; 0 = run until stopped")
+    senders = Param(str, "", "ids whose END counts, comma-separated (empty: any named sender)")
     keep_last = Param(int, 0, "retention: versions kept per path (0 = all)")
     max_age_s = Param(float, 0.0, "retention: drop versions superseded longer ago (0 = never)")
     max_pending = Param(int, 1000, "objects kept in memory during a storing gap")
@@ -110,6 +111,8 @@ class QcRepositoryDevice(Device):
         self.received = 0
         self.duplicates = 0
         self.ends = 0
+        self.ended: set[str] = set()  # senders whose END counted (once each)
+        self._senders = {x.strip() for x in self.senders.split(",") if x.strip()}
         self.dropped: collections.Counter[str] = collections.Counter()
         self.mergers: dict[str, int] = {}
         self._recent: dict[tuple[str, str], collections.deque[tuple[int, float]]] = {}
@@ -175,8 +178,15 @@ class QcRepositoryDevice(Device):
 
     def _on_end(self, ch: Any, identity: bytes | None, header: dict[str, Any]) -> None:
         src = header.get("from")
-        self.ends += 1
-        log.info("%s: END from %r (%d of %s)", self.id, src, self.ends, self.inputs or "-")
+        if not isinstance(src, str) or not src or (self._senders and src not in self._senders):
+            # a forged END must not stop the repository before the mergers' last objects
+            self.dropped["end_unknown_sender"] += 1
+            self._bad[ch.label].record("end", f"END from {src!r}, not a merger of this repository")
+            return
+        if src not in self.ended:  # a repeat (its sender missed our ACK) is answered again
+            self.ended.add(src)
+            self.ends += 1
+            log.info("%s: END from %r (%d of %s)", self.id, src, self.ends, self.inputs or "-")
         if identity is not None:  # a DEALER merger waits for this before it stops
             ack = encode_message(MsgType.ACK, {"from": self.id, "to": src, "end": True})
             with contextlib.suppress(zmq.ZMQError):

@@ -29,7 +29,7 @@ from evflow.qc.producer import QcTask
 from evflow.qc.recordbatch import RecordBatch
 from evflow.runtime._loops import send_when_ready
 from evflow.runtime.device import Device
-from evflow.runtime.devices._stream import send_end, wait_for_acks
+from evflow.runtime.devices._stream import end_and_wait
 from evflow.wire.codec import encode_batch
 from evflow.wire.messages import MsgType, encode_message
 
@@ -85,8 +85,8 @@ class ToyEvents(Device):
         return True
 
     def post_run(self) -> None:
-        if send_end(self, self.channel_name, 0, self.messages, self.ack_timeout_s):
-            wait_for_acks(self, self.channel_name, 1, self.ack_timeout_s)
+        # sent again until acknowledged: a producer restarted meanwhile gets it too
+        end_and_wait(self, self.channel_name, [self.messages], self.ack_timeout_s)
         log.info("%s: sent %d toy events", self.id, self.sent)
 
 

@@ -114,6 +114,9 @@ class ProcessSpec:
     budget: RestartBudget | None = None
     before_launch: Callable[[ManagedProcess], None] | None = None
     after_launch: Callable[[ManagedProcess], None] | None = None
+    #: exit codes that end the process for good under ``on-failure``: it failed in a
+    #: way a new process cannot mend (a device whose stream counts do not hold)
+    final_codes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.target is None) == (self.argv is None):

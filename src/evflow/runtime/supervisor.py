@@ -369,6 +369,8 @@ class Supervisor(StoppingMixin):
             return ExitEvent(proc.name, pid, 0, "done", proc.restarts, what, now)
         if spec.restart == "never":
             return self._fail(proc, pid, returncode, f"{what}; restart policy is 'never'")
+        if returncode in spec.final_codes:
+            return self._fail(proc, pid, returncode, f"{what}: a final error, not restarted")
         if proc.restarts >= spec.max_restarts:
             return self._fail(
                 proc,

@@ -53,6 +53,8 @@ log = logging.getLogger("evflow.topology")
 
 #: a lost host that keeps beating after it was told to shut down is told again after
 FENCE_AGAIN_S = 0.5
+#: a restarted receiver is told this often which of its senders exited (peer-ended)
+ENDED_AGAIN_S = 2.0
 
 
 #: (transition, state reached once it is done, first state after the transition)
@@ -109,6 +111,7 @@ class Controller(StartupSteps):
         self.down_requested = False
         self._reported: set[str] = set()
         self._next_beat = 0.0
+        self._next_ended_s = 0.0
         self._last_tick_s = time.monotonic()
         self.sup = Supervisor(session, bus=True, bus_addresses=self._bus_addresses())
         self._context: zmq.Context[Any] | None = None
@@ -237,6 +240,7 @@ class Controller(StartupSteps):
         self._check_losses()
         if self.phase == "running":
             self._rewalk(now)
+            self._tell_ended_senders(now)
         if self.view is not None:
             self.view.update(self)
         if self.phase == "starting":
@@ -330,6 +334,27 @@ class Controller(StartupSteps):
             for consumer, _channel in self.topology.consumers.get(rec.id, []):
                 if not self.records[consumer].ended:
                     self.bus.tell("peer-lost", [consumer], {"peer": rec.id})
+
+    def _tell_ended_senders(self, now: float) -> None:
+        """A restarted receiver may wait for the END of a sender that exited while it was
+        dead (its END sent again and again, never acknowledged in time): tell it, every
+        ENDED_AGAIN_S, which of its senders exited cleanly, so that every run ends. (The
+        receiver counts a sender's END it already has; one still missing at the second
+        notice never comes, and its count check says so.)"""
+        if now < self._next_ended_s:
+            return
+        self._next_ended_s = now + ENDED_AGAIN_S
+        assert self.bus is not None
+        told: dict[str, list[str]] = {}
+        for rec in self.records.values():
+            if rec.process != "done" or rec.lost:
+                continue
+            for consumer, _channel in self.topology.consumers.get(rec.id, []):
+                crec = self.records[consumer]
+                if crec.restarts and not crec.ended and not crec.rewalk:
+                    told.setdefault(consumer, []).append(rec.id)
+        for consumer, peers in told.items():
+            self.bus.tell("peer-ended", [consumer], {"peers": sorted(set(peers))}, quiet=True)
 
     def watch(self) -> int:
         """Until every device ended, a loss breaks the desired state, or a stop request."""

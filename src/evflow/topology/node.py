@@ -30,7 +30,7 @@ from typing import Any
 
 import zmq
 
-from evflow.errors import EvflowError, PeerLostError
+from evflow.errors import EvflowError, IncompleteStreamError, PeerLostError
 from evflow.runtime.busclient import BusClient
 from evflow.runtime.states import STARTUP_SEQUENCE, State
 from evflow.topology.protocol import CONTROLLER_ID, walk_request
@@ -41,6 +41,9 @@ from evflow.wire.messages import MsgType
 log = logging.getLogger("evflow.topology")
 
 _ASK_EVERY_S = 0.5
+#: the exit code of a device that ended with an IncompleteStreamError (a count that
+#: does not hold): its agent does not restart it (a new process cannot mend it)
+FINAL_EXIT = 3
 #: a device taking its first steps by itself waits at most this long to be heard
 HEARD_TIMEOUT_S = 2.0
 
@@ -187,7 +190,18 @@ class Exchange:
         client.handle("ping", check_state)
         client.handle("set-properties", set_properties)
         client.handle("transition", transition)
+
+        def peer_ended(args: dict[str, Any]) -> dict[str, Any]:
+            peers = args.get("peers")
+            handler = getattr(device, "peer_ended", None)
+            if handler is not None and isinstance(peers, list):
+                for peer in peers:
+                    if isinstance(peer, str) and peer:
+                        handler(peer)
+            return {"node_id": self.launch.id, "handled": handler is not None}
+
         client.handle("peer-lost", peer_lost)
+        client.handle("peer-ended", peer_ended)
 
         def on_change(old: State, new: State, _: Any) -> None:
             if new is State.RUNNING and self.client._next_metrics_s == math.inf:
@@ -281,6 +295,10 @@ def run_node(
             **launch.params,
         )
         device.exchange = exchange
+        if launch.restart != "never":  # its counts and ENDs outlive a killed process
+            from evflow.transport.paths import session_dir
+
+            device.stream_dir = session_dir(session)
         exchange.attach(device)
         device.attach_bus(client)
         state["device"] = device
@@ -298,6 +316,8 @@ def run_node(
                 req = walk_request(first_steps[0])
                 client.mark_answered(req, "transition", data, CONTROLLER_ID)
         code = device.run("interactive")
+        if isinstance(device.error, IncompleteStreamError):
+            code = FINAL_EXIT
     finally:
         _report(client, launch, device, stats_dir)
         client.close()

@@ -77,6 +77,12 @@ def expand_qc(
     for repo, count in tops.items():  # it waits for the END of each, unless told
         if "inputs" not in out[repo].params:
             out[repo] = replace(out[repo], params={**out[repo].params, "inputs": count})
+        if "senders" not in out[repo].params:  # and counts only theirs, once each
+            ids = sorted(
+                d.name for d in out.values()
+                if d.cls == "qc-merger" and any(c.connect == f"{repo}.{IN}" for c in d.channels)
+            )  # fmt: skip
+            out[repo] = replace(out[repo], params={**out[repo].params, "senders": ",".join(ids)})
     return out
 
 

@@ -12,14 +12,18 @@ ends by count (``--max-iterations`` on the receiver) or by STOP, as in FairMQ.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import zmq
 
+from evflow.errors import IncompleteStreamError
 from evflow.runtime._loops import send_when_ready
 from evflow.runtime.device import BIDIRECTIONAL, Device, Origin
+from evflow.runtime.devices._streamrecord import StreamRecord
 from evflow.transport.channel import Channel
 from evflow.wire.messages import Message, MsgType, encode_message
 
@@ -31,6 +35,9 @@ ACK_SUFFIX = "-ack"
 #: how long END may wait for a peer to take it when the caller names no time
 END_SEND_TIMEOUT_S = 10.0
 STOPPED_END_WAIT_S = 2.0
+#: an END not acknowledged this long is sent again (its receiver may have been
+#: restarted meanwhile; receivers count one END per sender)
+END_RESEND_S = 1.0
 
 
 def send_end(
@@ -141,23 +148,164 @@ def acknowledge(dev: Device, msg: Message, origin: Origin, **extra: Any) -> bool
     return False
 
 
+def end_and_wait(
+    dev: Device, name: str, counts: list[int], timeout_s: float, **extra: Any
+) -> tuple[int, int]:
+    """END with ``counts[i]`` on each sub-channel ``i`` of ``name``, each sent again
+    every END_RESEND_S until its ACK arrives or ``timeout_s`` passes: an END that reached
+    a receiver killed before it answered is announced again to its restarted process
+    (receivers count one END per sender). Returns (ENDs sent, ENDs acknowledged)."""
+    all_subs = dev.channel_list(name)
+    subs = all_subs[: len(counts)]  # (a sampler sends on its first sub-channel only)
+    sent = [send_end(dev, name, i, counts[i], timeout_s, **extra) for i in range(len(subs))]
+    if not any(sent) or subs[0].raw:
+        return sum(sent), 0
+    sources = ack_sources(dev, name)
+    if not sources:
+        wait_for_acks(dev, name, sum(sent), timeout_s)  # logs why none can come
+        return sum(sent), 0
+    per_channel = sources is all_subs  # ACKs on the data sockets: one per sub-channel
+    by_socket = {ch.socket: i for i, ch in enumerate(sources)}
+    acked: set[Any] = set()  # sub-channel indices, or (ack channel) receiver ids
+    poller = zmq.Poller()
+    for ch in sources:
+        poller.register(ch.socket, zmq.POLLIN)
+    deadline = time.monotonic() + timeout_s
+    resend_at = time.monotonic() + END_RESEND_S
+    while len(acked) < sum(sent):
+        now = time.monotonic()
+        if now >= deadline:
+            break
+        if now >= resend_at:
+            resend_at = now + END_RESEND_S
+            for i in range(len(subs)):
+                if sent[i] and (i not in acked if per_channel else True):
+                    frames = encode_message(
+                        MsgType.END, {"count": counts[i], "from": dev.id, **extra}
+                    )
+                    with contextlib.suppress(zmq.Again):
+                        subs[i].send(frames, zmq.NOBLOCK)
+        dev._tick()
+        for sock, _ in poller.poll(min(100, max(1, int((deadline - now) * 1000)))):
+            ch = sources[by_socket[sock]]
+            frames = ch.recv()
+            if ch.type == "router":
+                frames = frames[1:]
+            msg = dev.bad_messages[ch.label].decode(frames)
+            if msg is None or msg.type is not MsgType.ACK:
+                continue
+            if msg.header.get("to", dev.id) != dev.id:
+                continue
+            acked.add(by_socket[sock] if per_channel else str(msg.header.get("from")))
+    got = min(len(acked), sum(sent))
+    if got < sum(sent):
+        log.error("%s: only %d of %d END acknowledgements on %r within %.1f s",
+                  dev.id, got, sum(sent), name, timeout_s)  # fmt: skip
+    return sum(sent), got
+
+
 class EndTracker:
     """Mixin for receivers that wait for one END per input (sink, forwarders).
+
+    An END counts once per sender, and only from a sender the topology named
+    (``senders``, when the device has that parameter set) or, without that list, from
+    any sender that names itself; anything else is counted as a bad message and
+    dropped (a forged or repeated END must not end the stream early). Repeats of a
+    counted END are acknowledged again (their sender may have missed the first ACK).
 
     ``peer_lost(peer_id)`` (the topology controller calls it over the bus when an
     expendable peer died) stops waiting for that peer's END; the counts can then no
     longer be checked against what the senders announced, and the summary says so.
+
+    The ENDs taken are kept in a :class:`StreamRecord` (``stream_dir`` set by the
+    topology for a device that may be restarted): a restarted receiver does not wait
+    for ENDs its dead process already took.
     """
 
     _needed: int
     ends: int
+    record: StreamRecord
 
-    def _track_end(self, msg: Message) -> bool:
-        """Note an END; False if it comes from a peer already given up as lost (its END
-        was no longer waited for, so it must not stand in for another peer's)."""
-        sender = str(msg.header.get("from"))
-        self.__dict__.setdefault("ends_from", set()).add(sender)
+    def _open_record(self, slots: int) -> StreamRecord:
+        dev: Any = self
+        if hasattr(self, "record"):  # a new task of this process, not a restart
+            self.record.reset()
+            return self.record
+        directory = getattr(dev, "stream_dir", None)
+        self.record = StreamRecord(Path(directory) if directory else None, dev.id, slots)
+        return self.record
+
+    def _known_senders(self) -> set[str]:
+        raw = getattr(self, "senders", "")
+        return {s.strip() for s in raw.split(",") if s.strip()} if isinstance(raw, str) else set()
+
+    def _ends_taken(self) -> int:
+        """ENDs already taken (by a dead predecessor) that count now."""
+        return sum(1 for s in self.record.ends if s.partition("#")[0] not in self.lost_peers)
+
+    def _track_end(self, msg: Message, origin: Origin) -> bool | None:
+        """Note an END: True if it counts (a new sender's), False if it is a repeat or
+        comes from a peer already given up as lost (acknowledge it, count nothing), None
+        if it must be dropped unanswered (no sender, an unknown one)."""
+        dev: Any = self
+        sender = msg.header.get("from")
+        known = self._known_senders()
+        if not isinstance(sender, str) or not sender or (known and sender not in known):
+            dev.bad_messages[origin.channel.label].record(
+                "end", f"END from {sender!r}, not a sender of this channel"
+            )
+            return None
+        # one END per sender and sub-channel (a sender may feed several of ours)
+        index = origin.channel.index
+        key = sender if not index else f"{sender}#{index}"
+        if key in self.record.ends:
+            return False
+        count = msg.header.get("count")
+        self.record.add_end(key, count if type(count) is int and count >= 0 else 0)
         return sender not in self.lost_peers
+
+    @property
+    def ends_from(self) -> set[str]:
+        ends = self.record.ends if hasattr(self, "record") else {}
+        return {key.partition("#")[0] for key in ends}
+
+    @property
+    def announced_total(self) -> int:
+        return sum(self.record.ends.values())
+
+    @property
+    def unended(self) -> set[str]:
+        """Senders that exited without their END reaching this device (see peer_ended)."""
+        out: set[str] = self.__dict__.setdefault("_unended", set())
+        return out
+
+    def peer_ended(self, peer_id: str) -> None:
+        """``peer_id`` exited cleanly (the controller tells a restarted receiver, every few
+        seconds). If its END is still unknown at the second notice, it never comes (the
+        sender gave up on its ACK while we were dead): stop waiting for it; the counts
+        then cannot hold (``check_unended`` raises)."""
+        dev: Any = self
+        if peer_id in self.ends_from or peer_id in self.lost_peers or peer_id in self.unended:
+            return
+        seen: set[str] = self.__dict__.setdefault("_ended_seen", set())
+        if peer_id not in seen:
+            seen.add(peer_id)
+            return
+        self.unended.add(peer_id)
+        log.error("%s: %s ended, but its END never reached this device", dev.id, peer_id)
+        if hasattr(self, "_needed"):
+            self._needed -= 1
+            if self.ends >= self._needed:
+                dev._loop_stop = True
+
+    def check_unended(self, kind: str) -> None:
+        dev: Any = self
+        if self.unended:
+            raise IncompleteStreamError(
+                f"{kind} {dev.id!r}: the END of {', '.join(sorted(self.unended))} never "
+                "arrived (sent while this device was being restarted, and not acknowledged "
+                "in time); its count cannot be checked"
+            )
 
     @property
     def lost_peers(self) -> set[str]:
@@ -167,7 +315,7 @@ class EndTracker:
     def peer_lost(self, peer_id: str) -> None:
         """Stop waiting for ``peer_id``'s END; end the loop if no other END is due."""
         dev: Any = self
-        if peer_id in self.__dict__.get("ends_from", ()) or peer_id in self.lost_peers:
+        if peer_id in self.ends_from or peer_id in self.lost_peers:
             return
         self.lost_peers.add(peer_id)
         log.warning("%s: peer %s was lost; not waiting for its END", dev.id, peer_id)
@@ -175,3 +323,17 @@ class EndTracker:
             self._needed -= 1
             if self.ends >= self._needed:
                 dev._loop_stop = True
+
+
+def count_mismatch(kind: str, dev_id: str, got: int, announced: int, record: StreamRecord) -> str:
+    """The one line of a count that does not hold (names the device and the difference)."""
+    if got < announced:
+        what = f"{announced - got} of {announced} announced messages missing"
+    else:
+        what = f"{got - announced} messages more than the {announced} announced"
+    why = (
+        " (its process was restarted: they died with the killed process)"
+        if record.restarted and got < announced
+        else ""
+    )
+    return f"{kind} {dev_id!r}: {what}{why}; received {got}"

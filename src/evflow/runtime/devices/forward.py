@@ -12,10 +12,16 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from evflow.errors import IncompleteStreamError
 from evflow.params import Param
 from evflow.runtime._loops import send_when_ready
 from evflow.runtime.device import Device, Origin
-from evflow.runtime.devices._stream import EndTracker, acknowledge, send_end, wait_for_acks
+from evflow.runtime.devices._stream import (
+    EndTracker,
+    acknowledge,
+    count_mismatch,
+    end_and_wait,
+)
 from evflow.runtime.framing import outgoing
 from evflow.transport.channel import Channel
 from evflow.wire.messages import Message, MsgType
@@ -27,25 +33,36 @@ class _Forwarder(EndTracker, Device):
     in_channel = Param(str, "data-in", "input channel")
     out_channel = Param(str, "data-out", "output channel (sub-channels for the splitter)")
     inputs = Param(int, 0, "END messages to wait for (0 = one per input sub-channel)")
+    senders = Param(str, "", "ids whose END counts, comma-separated (empty: any sender)")
     ack_timeout_s = Param(float, 10.0, "how long to wait for downstream ACKs (s)")
 
     def init_task(self) -> None:
         self._outs: list[Channel] = self.channel_list(self.out_channel)
-        self.sent = [0] * len(self._outs)
-        self.received = 0
-        self.ends = 0
+        # [received, sent on sub-channel 0, 1, ...]: a restarted process goes on from them
+        record = self._open_record(1 + len(self._outs))
+        self.received = record.counts[0]
+        self.sent = [record.counts[1 + i] for i in range(len(self._outs))]
+        self.ends = self._ends_taken()
         self.not_forwarded = 0
         self._next = 0
         self._needed = self.inputs or len(self.channel_list(self.in_channel))
         self._needed -= len(self.lost_peers)
+        self._raw_in = any(ch.raw for ch in self.channel_list(self.in_channel))
         self.on_data(self.in_channel, self._handle)
+
+    def pre_run(self) -> None:
+        if self.ends >= self._needed:  # a restart: its dead process took every END
+            self._loop_stop = True
 
     def _pick(self) -> int:
         return 0
 
     def _handle(self, msg: Message, origin: Origin) -> bool:
         if msg.type is MsgType.END:
-            if self._track_end(msg):
+            counts = self._track_end(msg, origin)
+            if counts is None:
+                return True
+            if counts:
                 self.ends += 1
             acknowledge(self, msg, origin, count=self.received)
             return self.ends < self._needed
@@ -53,23 +70,24 @@ class _Forwarder(EndTracker, Device):
             return True
         i = self._pick()
         self.received += 1
+        self.record.counts[0] = self.received
         frames = outgoing(self._outs[i], msg.type, msg.header, msg.payload)
         if frames is None:  # a raw output carries only data
             self.not_forwarded += 1
             return True
+        # counted before it goes: a kill in between shows as a message missing downstream
+        self.sent[i] += 1
+        self.record.counts[1 + i] = self.sent[i]
         if not send_when_ready(self, self._outs[i], frames):
+            self.sent[i] -= 1
+            self.record.counts[1 + i] = self.sent[i]
             log.warning("%s: stopped while %s had no peer: 1 message not forwarded", self.id,
                         self._outs[i].label)  # fmt: skip
             return False
-        self.sent[i] += 1
         return True
 
     def post_run(self) -> None:
-        ends = sum(
-            send_end(self, self.out_channel, i, self.sent[i], self.ack_timeout_s)
-            for i in range(len(self._outs))
-        )
-        acked = wait_for_acks(self, self.out_channel, ends, self.ack_timeout_s) if ends else 0
+        _ends, acked = end_and_wait(self, self.out_channel, self.sent, self.ack_timeout_s)
         log.info(
             "%s: forwarded %d messages %s, %d of %d END acknowledged",
             self.id,
@@ -78,6 +96,16 @@ class _Forwarder(EndTracker, Device):
             acked,
             len(self._outs),
         )
+        self.check_unended("forwarder")
+        # what went out must be what the inputs announced: a message lost here (read,
+        # then the process killed before it went out) is named here, not downstream
+        if self.lost_peers or self._raw_in or self.ends < self._needed:
+            return
+        out = sum(self.sent) + self.not_forwarded
+        if out != self.announced_total:
+            raise IncompleteStreamError(
+                count_mismatch("forwarder", self.id, out, self.announced_total, self.record)
+            )
 
     def summary(self) -> dict[str, Any]:
         out = self.metrics()

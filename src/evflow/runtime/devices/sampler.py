@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -16,7 +17,8 @@ import zmq
 from evflow.params import Param
 from evflow.runtime._loops import send_when_ready
 from evflow.runtime.device import Device
-from evflow.runtime.devices._stream import send_end, wait_for_acks
+from evflow.runtime.devices._stream import end_and_wait
+from evflow.runtime.devices._streamrecord import StreamRecord
 from evflow.runtime.framing import outgoing
 from evflow.transport.channel import COPY_THRESHOLD_BYTES
 from evflow.transport.shm_channel import ShmChannel
@@ -36,6 +38,8 @@ class Sampler(Device):
     )
     batch = Param(int, 1, "messages per iteration (shm: in one ZeroMQ message, send_many)")
 
+    _record: StreamRecord
+
     def init_task(self) -> None:
         if self.msg_size < 0:
             raise ValueError(f"msg_size must be >= 0, got {self.msg_size}")
@@ -53,7 +57,14 @@ class Sampler(Device):
         assert frames is not None  # (EVENTS with a payload always has frames)
         self._frames = frames
         self._payload = memoryview(payload)
-        self.sent = 0
+        # [messages sent]: a restarted sampler goes on from its dead process's count
+        directory = getattr(self, "stream_dir", None)
+        if hasattr(self, "_record"):  # a new task of this process, not a restart
+            self._record.reset()
+        else:
+            self._record = StreamRecord(Path(directory) if directory else None, self.id, 1)
+        self.sent = self._record.counts[0]
+        self._total = self.max_iterations * self.batch
         self.acked = 0
 
     def pre_run(self) -> None:
@@ -71,25 +82,27 @@ class Sampler(Device):
         return frames
 
     def conditional_run(self) -> bool:
+        if self._total and self.sent >= self._total:
+            return False  # a restart after its dead process had sent them all
         # waits for a peer, but not past a stop request (a sink that never came)
         if self.batch > 1 and isinstance(self._out, ShmChannel):
             batch = [self._message() for _ in range(self.batch)]
             if not send_when_ready(self, self._out, batch, many=True):
                 return False
             self.sent += len(batch)
+            self._record.counts[0] = self.sent
             return True
         for _ in range(self.batch):
             if not send_when_ready(self, self._out, self._message()):
                 return False
             self.sent += 1
+            self._record.counts[0] = self.sent
         return True
 
     def post_run(self) -> None:
         self.elapsed_s = time.monotonic() - self._t0
         self.cpu_s = time.process_time() - self._cpu0  # all threads, libzmq's I/O thread too
-        self.acked = 0
-        if send_end(self, self.channel_name, 0, self.sent, self.ack_timeout_s):
-            self.acked = wait_for_acks(self, self.channel_name, 1, self.ack_timeout_s)
+        _, self.acked = end_and_wait(self, self.channel_name, [self.sent], self.ack_timeout_s)
         log.info(
             "%s: sent %d messages of %d B in %.3f s",
             self.id,

@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from evflow.errors import PeerLostError
+from evflow.errors import IncompleteStreamError
 from evflow.params import Param
 from evflow.runtime.device import Device, Origin
-from evflow.runtime.devices._stream import EndTracker, acknowledge
+from evflow.runtime.devices._stream import EndTracker, acknowledge, count_mismatch
 from evflow.wire.messages import Message, MsgType
 
 log = logging.getLogger("evflow.device")
@@ -34,13 +34,14 @@ class Sink(EndTracker, Device):
 
     channel_name = Param(str, "data", "input channel")
     inputs = Param(int, 0, "END messages to wait for (0 = one per sub-channel)")
+    senders = Param(str, "", "ids whose END counts, comma-separated (empty: any sender)")
     read_payload = Param(bool, True, "read every payload byte (gb_per_s: bytes read per s)")
 
     def init_task(self) -> None:
-        self.received = 0
+        record = self._open_record(1)  # [messages received]
+        self.received = record.counts[0]
         self.payload_bytes = 0
-        self.announced = 0
-        self.ends = 0
+        self.ends = self._ends_taken()
         self.other = 0
         self.checksum = 0
         self._t_first = 0.0
@@ -52,23 +53,33 @@ class Sink(EndTracker, Device):
         # shm: payloads counted in place, the region's chunk released with the message
         self.on_data(self.channel_name, self._handle, views=True)
 
+    @property
+    def announced(self) -> int:
+        return self.announced_total if hasattr(self, "record") else 0
+
+    def pre_run(self) -> None:
+        if self.ends >= self._needed:  # a restart: its dead process took every END
+            self._loop_stop = True
+
     def _handle(self, msg: Message, origin: Origin) -> bool:
         if msg.type is MsgType.EVENTS:
             if not self.received:
                 self._t_first = time.monotonic()
                 self._cpu_first = time.process_time()
             self.received += 1
+            self.record.counts[0] = self.received  # a SIGKILL loses no count
             for frame in msg.payload:
                 self.payload_bytes += len(frame)
                 if self.read_payload:
                     self.checksum ^= read_all(frame)
             return True
         if msg.type is MsgType.END:
+            counts = self._track_end(msg, origin)
+            if counts is None:
+                return True
             self._t_last = time.monotonic()
             self._cpu_last = time.process_time()
-            count = msg.header.get("count")
-            self.announced += count if isinstance(count, int) else 0
-            if self._track_end(msg):
+            if counts:
                 self.ends += 1
             acknowledge(self, msg, origin, count=self.received)
             return self.ends < self._needed
@@ -85,6 +96,7 @@ class Sink(EndTracker, Device):
             self.ends,
             self._needed,
         )
+        self.check_unended("sink")
         if self.lost_peers:
             log.warning(
                 "%s: counts not checked: peer(s) %s were lost before their END",
@@ -92,9 +104,8 @@ class Sink(EndTracker, Device):
                 ", ".join(sorted(self.lost_peers)),
             )
         elif self.ends >= self._needed and self.received != self.announced:
-            raise PeerLostError(
-                f"sink {self.id!r}: received {self.received} messages but the senders "
-                f"announced {self.announced}"
+            raise IncompleteStreamError(
+                count_mismatch("sink", self.id, self.received, self.announced, self.record)
             )
 
     def summary(self) -> dict[str, Any]:

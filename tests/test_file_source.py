@@ -228,7 +228,7 @@ def test_event_sink_checks_the_events_an_end_announces(tmp_path: Path) -> None:
 
 def test_event_sink_takes_an_end_with_a_bad_count_without_crashing(tmp_path: Path) -> None:
     code, err, sink = _push_to_event_sink(tmp_path, [
-        _events(0), encode_message(MsgType.END, {"count": "many", "events": -1, "from": 7}),
+        _events(0), encode_message(MsgType.END, {"count": "many", "events": -1, "from": "pusher"}),
     ])  # fmt: skip
     assert code == 0, err[-2000:]
     assert sink["events"] == 1 and sink["ends"] == 1

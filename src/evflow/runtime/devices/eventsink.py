@@ -62,16 +62,16 @@ class SinkDevice(EndTracker, Device):
 
     channel_name = Param(str, "data", "input channel")
     inputs = Param(int, 0, "END messages to wait for (0 = one per sub-channel)")
+    senders = Param(str, "", "ids whose END counts, comma-separated (empty: any sender)")
 
     def event(self, store: Any) -> None:
         """One event that arrived, a ``DataStore`` (override; the default only counts it)."""
 
     def init_task(self) -> None:
-        self.messages = 0
-        self.events_in = 0
-        self.announced = 0
-        self.events_announced = 0
-        self.ends = 0
+        # [messages, events, events announced]: kept across a restart (stream_dir set)
+        record = self._open_record(3)
+        self.messages, self.events_in, self.events_announced = record.counts[:3]
+        self.ends = self._ends_taken()  # ENDs a killed predecessor already took
         self.ends_without_events = 0
         self.bad_events = 0
         self.bad_ends = 0
@@ -94,27 +94,38 @@ class SinkDevice(EndTracker, Device):
             for store in stores:
                 self.event(store)
             self.events_in += len(stores)
+            self.record.counts[0], self.record.counts[1] = self.messages, self.events_in
             return True
         if msg.type is MsgType.END:
             return self._end(msg, origin)
         self.other += 1
         return True
 
+    @property
+    def announced(self) -> int:
+        """Messages the counted ENDs announced (one END per known sender, repeats not)."""
+        return self.announced_total if hasattr(self, "record") else 0
+
+    def pre_run(self) -> None:
+        if self.ends >= self._needed:  # a restart: its dead process took every END
+            self._loop_stop = True
+
     def _end(self, msg: Message, origin: Origin) -> bool:
-        count = _count(msg.header.get("count"))
-        if count is None:
-            self.bad_ends += 1
-            if self.bad_ends == 1:
-                log.error("%s: END without a valid count from %r; its counts are not checked",
-                          self.id, msg.header.get("from"))  # fmt: skip
-        else:
-            self.announced += count
-        events = _count(msg.header.get("events"))
-        if events is None:
-            self.ends_without_events += 1
-        else:
-            self.events_announced += events
-        if self._track_end(msg):
+        counts = self._track_end(msg, origin)  # None: forged or unknown sender, dropped
+        if counts is None:
+            return True
+        if counts:  # the first END of this sender: its counts are the ones to check
+            if _count(msg.header.get("count")) is None:
+                self.bad_ends += 1
+                if self.bad_ends == 1:
+                    log.error("%s: END without a valid count from %r; its counts are not "
+                              "checked", self.id, msg.header.get("from"))  # fmt: skip
+            events = _count(msg.header.get("events"))
+            if events is None:
+                self.ends_without_events += 1
+            else:
+                self.events_announced += events
+                self.record.counts[2] = self.events_announced
             self.ends += 1
         acknowledge(self, msg, origin, count=self.messages)
         return self.ends < self._needed
@@ -123,6 +134,7 @@ class SinkDevice(EndTracker, Device):
         log.info("%s: %d events in %d messages (announced: %d messages), %d of %d END",
                  self.id, self.events_in, self.messages, self.announced, self.ends,
                  self._needed)  # fmt: skip
+        self.check_unended("sink")
         if self.lost_peers:
             log.warning("%s: counts not checked: peer(s) %s were lost before their END",
                         self.id, ", ".join(sorted(self.lost_peers)))  # fmt: skip

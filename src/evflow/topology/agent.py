@@ -207,6 +207,8 @@ class Agent:
             returncode=event.returncode,
             message=event.message,
             restarts=event.restarts,
+            # ended while we shut down (the controller's stop): not a loss of its own
+            shutdown=self._stop,
         )
         proc = self.sup.processes.get(event.name)
         if proc is not None and proc.state == "running":  # restarted at once

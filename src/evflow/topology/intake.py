@@ -206,6 +206,7 @@ class ControllerBus:
             dev.pid = entry.pid if entry.pid is not None else dev.pid
             dev.returncode = entry.returncode if entry.returncode is not None else dev.returncode
             dev.message = entry.message or dev.message
+            dev.stopped_at_shutdown = entry.shutdown
             if entry.restarts > dev.restarts and process == "running":
                 dev.rewalk, dev.rank, dev.state = True, -1, "RESTARTED"
                 dev.next_step_s = 0.0  # walked at once (its first step may be resent)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+from evflow.processing.datastore import DataStore
+from evflow.qc.producer import QcTask
 from evflow.runtime.device import Device
 
 
@@ -23,3 +25,10 @@ class FailsOnStop(Device):
 
     def post_run(self) -> None:
         raise ValueError("received 999 of 1000 announced events")
+
+
+class SlowQc(QcTask):
+    """A QC task at 5 ms per event: a producer on a loaded machine, far behind."""
+
+    def fill(self, store: DataStore) -> None:
+        time.sleep(0.005)

@@ -82,3 +82,35 @@ def test_a_lost_merger_is_the_cause_and_the_samplers_killed_at_shutdown_are_not_
     assert any("merger" in line and "SIGKILL" in line for line in lost), text
     stopped = [line for line in text.splitlines() if "stopped by the controller" in line]
     assert len(stopped) == 1 and "sampler_0" in stopped[0], text
+
+
+SLOW_QC = """
+name = "slow-qc"
+[devices.source]
+class = "evflow.qc.toy:ToyEvents"
+params = { n_events = 600, batch = 10, ack_timeout_s = 0.5 }
+channels = [{ name = "data", type = "dealer", connect = "producer.data-in" }]
+[devices.producer]
+class = "qc-producer"
+channels = [{ name = "data-in", type = "router", bind = true }]
+params = { task = "_topo_devices:SlowQc", cycle_s = 100.0 }
+"""
+
+
+def test_a_producer_far_behind_its_source_is_no_error(tmp_path: Path) -> None:
+    """The source's END waits behind its whole stream in the producer's queue (3 s of
+    work here, more than 30 s on a loaded machine): a late ACK from a producer that is
+    still there is no failure, so nothing is logged as an ERROR."""
+    topo = tmp_path / "slow.toml"
+    topo.write_text(SLOW_QC)
+    stats_dir = tmp_path / "stats"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-m", "evflow", "up", "--quiet", "--stats-dir", str(stats_dir),
+         str(topo)],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "[ERROR]" not in proc.stderr, proc.stderr
+    assert json.loads((stats_dir / "producer.json").read_text())["qc"]["events_in"] == 600

@@ -128,20 +128,26 @@ class ToyEvents(Device):
         by_socket = {ch.socket: ch for ch in sources}
         gone_at: float | None = None
         started = time.monotonic()
+        stopped_at: float | None = None
         while True:
             now = time.monotonic()
             if self._connected:
                 gone_at = None
             elif gone_at is None:
                 gone_at = now
+            if self.shutdown_requested and stopped_at is None:
+                stopped_at = now  # (a stop still gives the ACK ack_timeout_s to come)
             if gone_at is not None and now - gone_at >= self.ack_timeout_s:
                 log.error("%s: END on %r not acknowledged: the producer left %.1f s ago",
                           self.id, self.channel_name, now - gone_at)  # fmt: skip
                 return False
-            if now - started >= MAX_ACK_WAIT_S or self.shutdown_requested:
-                log.warning("%s: END on %r not acknowledged after %.1f s (%s)", self.id,
-                            self.channel_name, now - started,
-                            "stopped" if self.shutdown_requested else "given up")  # fmt: skip
+            if now - started >= MAX_ACK_WAIT_S:  # connected, silent: a hung producer
+                log.error("%s: END on %r not acknowledged within %.0f s by a connected "
+                          "producer", self.id, self.channel_name, MAX_ACK_WAIT_S)  # fmt: skip
+                return False
+            if stopped_at is not None and now - stopped_at >= self.ack_timeout_s:
+                log.warning("%s: END on %r not acknowledged %.1f s after the stop request",
+                            self.id, self.channel_name, now - stopped_at)  # fmt: skip
                 return False
             self._tick()
             for sock, _ in poller.poll(100):

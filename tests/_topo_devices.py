@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+from evflow.processing.datastore import DataStore
+from evflow.qc.producer import QcTask
 from evflow.runtime.device import Device
 from evflow.runtime.devices.sampler import Sampler
 
@@ -32,3 +34,10 @@ class OverAnnounces(Sampler):
     def post_run(self) -> None:
         self.sent += 1
         super().post_run()
+
+
+class SlowQc(QcTask):
+    """A QC task at 5 ms per event: a producer on a loaded machine, far behind."""
+
+    def fill(self, store: DataStore) -> None:
+        time.sleep(0.005)

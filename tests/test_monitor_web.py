@@ -174,7 +174,80 @@ def test_non_loopback_bind_gets_a_token() -> None:
         assert d.token and f"token={d.token}" in d.url
         with httpx.Client(timeout=10) as c:
             assert c.get(f"http://127.0.0.1:{d.port}/metrics").status_code == 403
-            assert c.get(d.metrics_url.replace("0.0.0.0", "127.0.0.1")).status_code == 200
+            assert c.get(d.metrics_url).status_code == 200
+
+
+def test_a_wildcard_bind_prints_a_url_a_browser_can_open() -> None:
+    with start_dashboard([], "auto", host="0.0.0.0", store=MetricsStore()) as d:
+        host = httpx.URL(d.url).host
+        assert host not in ("0.0.0.0", "", "127.0.0.1", "localhost"), d.url
+        with httpx.Client(timeout=10) as c:
+            assert c.get(d.url).status_code == 200  # the page, through that name
+
+
+def test_hostile_metrics_never_make_metrics_or_the_run_page_fail() -> None:
+    store = MetricsStore(host="h1")
+    _feed(store)
+    # int('²') raised in the sort; int keys broke the exposition's sort and names
+    store.ingest(MsgType.METRICS, {"from": "w-²", "metrics": {"pid": 7, "events_in": 1}})
+    store.ingest(MsgType.METRICS, {"from": "w-3", "metrics": {"pid": 8, "extra": {1: 2}}})
+    store.ingest(MsgType.METRICS, {"from": "w-4", "metrics": {"pid": 9, 5: 1}})
+    with TestClient(build_app(store)) as c:
+        assert c.get("/metrics").status_code == 200
+        run = c.get("/api/run")
+        assert run.status_code == 200
+    ids = [d["id"] for d in run.json()["devices"]]
+    assert "w-²" in ids and "w-3" not in ids and "w-4" not in ids
+    assert run.json()["refused"] == 2
+
+
+def test_rates_fall_to_zero_once_a_device_ended_or_went_silent() -> None:
+    from evflow.monitor.web.views import run_view
+
+    now = [1000.0]
+    store = MetricsStore(host="h", wall=lambda: now[0])
+    rates = {"messages_in_hz": 50.0, "messages_out_hz": 50.0, "events_in_hz": 400.0}
+    for w in ("worker-0", "worker-1", "output"):
+        store.ingest(MsgType.METRICS, {"from": w, "metrics": {"pid": 1, "rates": rates}})
+    rows = {d["id"]: d for d in run_view(store)["devices"]}
+    assert rows["worker-0"]["msg_in_hz"] == 50.0 and rows["output"]["events_in_hz"] == 400.0
+    assert run_view(store)["rate"]["events_hz"][-1] > 0.0
+    store.ingest(MsgType.STATE, {"from": "worker-0", "state": "EXITING"})
+    now[0] += 1.0
+    rows = {d["id"]: d for d in run_view(store)["devices"]}
+    assert rows["worker-0"]["ended"] and rows["worker-0"]["msg_in_hz"] == 0.0
+    assert rows["worker-1"]["msg_in_hz"] == 50.0  # still running
+    now[0] += 30.0  # the run is over: nothing heard since
+    view = run_view(store)
+    assert all(d["msg_in_hz"] == d["msg_out_hz"] == d["events_in_hz"] == 0.0
+               for d in view["devices"])  # fmt: skip
+    assert view["rate"]["events_hz"][-1] == 0.0
+    assert view["progress"]["rate_hz"] == 0.0 and view["progress"]["eta_s"] is None
+
+
+def test_path_roles_publish_their_message_counts(tmp_path: Path) -> None:
+    """msg/s in and out of a parallel run's roles come from counters they publish."""
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import json, evflow\n"
+        "from evflow.io.generators import BusyWork, ToyGenerator\n"
+        "from evflow.monitor import runhook\n"
+        "runhook.request(runhook.RunMonitor())\n"
+        "modules = [ToyGenerator(n_events=3000, payload_bytes=100), BusyWork(work_ms=0.5)]\n"
+        "evflow.process(evflow.Path(modules), workers=2, quiet=True)\n"
+        "runhook.release()\n"
+        "nodes = runhook.used[-1].store.nodes()\n"
+        "keys = ('messages_in', 'messages_out')\n"
+        "print(json.dumps({r.node_id: [r.metrics.get(k) for k in keys] for r in nodes}))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    for role in ("input", "worker-0", "worker-1", "output"):
+        msg_in, msg_out = counts[role]
+        assert msg_in and msg_in > 0 and msg_out and msg_out > 0, (role, counts)
 
 
 def test_missing_repository_is_one_clear_error(tmp_path: Path) -> None:

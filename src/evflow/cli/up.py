@@ -207,6 +207,14 @@ def _report(ctrl: Any) -> None:
         print(f"{rec.id} ({rec.host}): lost: {rec.error or rec.message}", file=sys.stderr)
     if len(lost) > 20:
         print(f"... and {len(lost) - 20} more lost", file=sys.stderr)
+    # devices that hung on their way out (e.g. waiting for a lost peer) and were killed
+    # by their agent's shutdown: a consequence of the stop, named once, not as losses
+    stopped = [r.id for r in ctrl.records.values() if r.killed_at_shutdown]
+    if stopped:
+        shown = ", ".join(stopped[:10]) + (
+            f" and {len(stopped) - 10} more" if len(stopped) > 10 else ""
+        )
+        print(f"stopped by the controller at shutdown: {len(stopped)} ({shown})", file=sys.stderr)
 
 
 def _notify(args: argparse.Namespace, text: str) -> None:

@@ -16,7 +16,17 @@ goes up and the dead process's last counters are carried into an offset, so ever
 refused and counted in ``refused``), so a misbehaving publisher cannot grow memory.
 
 Everything arriving on the bus is untrusted: a header that is not a map, an id that is
-not a short string, or metrics that are not a map are counted in ``bad`` and ignored.
+not a short printable string, metrics (or their ``extra``, ``rates``, ``channels`` and
+``module_time_s`` maps) that are not maps with string keys, or more than MAX_KEYS
+figures, refuse the whole message: counted in ``bad`` and logged once per kind.
+
+**Module busy time.** A worker publishes the wall seconds each module spent in
+``event()`` since it started (``module_time_s``). The dashboard's module plot shows
+them as seconds per second (1 = a core busy): the difference between two snapshots of
+the same process over the difference of *their* timestamps (``response_timestamp``,
+the publisher's clock), never over the collector's arrival times, which a starved
+collector thread or a congested bus bunches up (several seconds of work arriving
+within one second read as 3 or 7 busy cores of 2 workers).
 """
 
 from __future__ import annotations
@@ -61,6 +71,12 @@ MAX_MODULES = 64
 HISTORY_KEYS = ("events_in", "events_out", "events_in_hz", "events_out_hz", "cpu_percent", "rss_b")
 _EVENTS_IN_HZ = HISTORY_KEYS.index("events_in_hz")
 MAX_ID_CHARS = 128
+#: the most figures one metrics message may carry (a role publishes about 50)
+MAX_KEYS = 1024
+#: nested maps whose keys the store and the exposition read as names
+_NAMED_MAPS = ("extra", "rates", "channels", "module_time_s")
+#: a node silent this long is not counted in the summed rates any more (s)
+RATE_FRESH_S = 5.0
 
 
 @dataclass
@@ -77,6 +93,10 @@ class NodeRecord:
     last_seen_s: float = 0.0  # wall clock of the last message
     metrics: dict[str, Any] = field(default_factory=dict)
     offsets: dict[str, float] = field(default_factory=dict)
+    #: the last module_time_s snapshot: (publisher's wall s, pid, {module: seconds})
+    module_mark: tuple[float, int, dict[str, float]] | None = None
+    #: each module's busy time (s per s) between the last two snapshots of its process
+    module_busy: dict[str, float] = field(default_factory=dict)
     #: (wall s, figures in the order of HISTORY_KEYS): tuples, not dicts, to stay small
     history: collections.deque[tuple[float, tuple[float, ...]]] = field(
         default_factory=lambda: collections.deque(maxlen=300)
@@ -112,6 +132,7 @@ class MetricsStore:
         self.wall = wall
         self._nodes: dict[str, NodeRecord] = {}
         self._lock = threading.Lock()
+        self.refusals = BadMessageCounter("monitor collector", log)
         self.bad = 0
         self.refused = 0
         self.messages = 0
@@ -128,19 +149,28 @@ class MetricsStore:
         )
 
     # --- input ----------------------------------------------------------------------
+    def refuse(self, kind: str, detail: str) -> bool:
+        """Count a refused message (logged once per kind); returns False."""
+        self.bad += 1
+        self.refusals.record(kind, detail)
+        return False
+
     def ingest(self, kind: MsgType, header: Any) -> bool:
         """One METRICS or STATE message's header; False (and counted) when refused."""
         if not isinstance(header, dict):
-            self.bad += 1
-            return False
+            return self.refuse("bad-header", f"{kind.name} header is not a map")
         node_id = header.get("from")
-        if not isinstance(node_id, str) or not node_id or len(node_id) > MAX_ID_CHARS:
-            self.bad += 1
-            return False
+        if (
+            type(node_id) is not str
+            or not 0 < len(node_id) <= MAX_ID_CHARS
+            or not node_id.isprintable()
+        ):
+            return self.refuse("bad-sender", f"{kind.name} from {_short(node_id)}")
         metrics = header.get("metrics")
-        if kind is MsgType.METRICS and not isinstance(metrics, dict):
-            self.bad += 1
-            return False
+        if kind is MsgType.METRICS:
+            why = _bad_metrics(metrics)
+            if why:
+                return self.refuse("bad-metrics", f"METRICS of {node_id!r}: {why}")
         now = self.wall()
         with self._lock:
             rec = self._nodes.get(node_id)
@@ -187,9 +217,11 @@ class MetricsStore:
                 flat.setdefault(k, v)
         modules = metrics.get("module_time_s")
         if isinstance(modules, dict):
-            for name, seconds in list(modules.items())[:MAX_MODULES]:
-                flat[MODULE_PREFIX + str(name)[:64]] = _number(seconds)
+            times = {str(n)[:64]: _number(s) for n, s in list(modules.items())[:MAX_MODULES]}
+            for name, seconds in times.items():
+                flat[MODULE_PREFIX + name] = seconds
             del flat["module_time_s"]
+            self._busy(rec, metrics, times, now)
         rec.metrics = flat
         raw_rates = metrics.get("rates")
         rates: dict[str, Any] = raw_rates if isinstance(raw_rates, dict) else {}
@@ -204,21 +236,39 @@ class MetricsStore:
         rec.history.append((now, sample))
         self._note_rate(now)
 
+    @staticmethod
+    def _busy(
+        rec: NodeRecord, metrics: dict[str, Any], times: dict[str, float], now: float
+    ) -> None:
+        """Each module's seconds per second since the last snapshot of the same process,
+        over the publisher's own clock (see the module docstring)."""
+        stamp = _number(metrics.get("response_timestamp")) or now
+        mark = rec.module_mark
+        if mark is not None and mark[1] == rec.pid and stamp > mark[0]:
+            span = stamp - mark[0]
+            # one process runs its modules one at a time: more than 1 is a clock step
+            rec.module_busy = {
+                name: min(1.0, max(0.0, (seconds - mark[2].get(name, 0.0)) / span))
+                for name, seconds in times.items()
+            }
+        elif mark is None or mark[1] != rec.pid:
+            rec.module_busy = {}  # a new process: its rate from its second snapshot on
+        rec.module_mark = (stamp, rec.pid, times)
+
     def _note_rate(self, now: float) -> None:
-        """At most one point a second: the workers' summed event rate."""
+        """At most one point a second: the workers' summed event rate and module busy
+        time (of workers heard within RATE_FRESH_S)."""
         if self.rate_history and now - self.rate_history[-1][0] < 1.0:
             return
         total = 0.0
         modules: dict[str, float] = {}
         for rec in self._nodes.values():
-            if rec.role() != "worker":
+            if rec.role() != "worker" or now - rec.last_seen_s >= RATE_FRESH_S:
                 continue
-            if rec.history and now - rec.last_seen_s < 5.0:
+            if rec.history:
                 total += rec.history[-1][1][_EVENTS_IN_HZ]
-            for key in rec.metrics.keys() | rec.offsets.keys():
-                if key.startswith(MODULE_PREFIX):
-                    name = key[len(MODULE_PREFIX) :]
-                    modules[name] = modules.get(name, 0.0) + rec.counter(key)
+            for name, busy in rec.module_busy.items():
+                modules[name] = modules.get(name, 0.0) + busy
         self.rate_history.append((now, total))
         if modules:
             self.module_history.append((now, modules))
@@ -268,7 +318,7 @@ class MetricsStore:
             return list(self.rate_history)
 
     def module_times(self) -> list[tuple[float, dict[str, float]]]:
-        """Per second: each module's wall time summed over the workers (monotonic)."""
+        """Per second: each module's busy time (s per s) summed over the workers."""
         with self._lock:
             return list(self.module_history)
 
@@ -339,7 +389,10 @@ class BusCollector:
                 self.store.bad += 1
                 continue
             if msg.type in (MsgType.METRICS, MsgType.STATE):
-                self.store.ingest(msg.type, msg.header)
+                try:
+                    self.store.ingest(msg.type, msg.header)
+                except Exception as exc:  # a value no check foresaw: never the thread
+                    self.store.refuse("unchecked-value", f"{type(exc).__name__}: {exc}")
 
     def stop(self) -> None:
         self._stop.set()
@@ -364,6 +417,34 @@ def _role_rank(role: str) -> int:
 
 
 def _natural(name: str) -> tuple[Any, ...]:
-    """``worker-10`` after ``worker-9``."""
+    """``worker-10`` after ``worker-9`` (ASCII digits only: ``'²'.isdigit()`` is true)."""
     head, _, tail = name.rpartition("-")
-    return (head, int(tail), "") if tail.isdigit() else (name, -1, name)
+    if tail.isascii() and tail.isdigit():
+        return (head, int(tail), "")
+    return (name, -1, name)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _bad_metrics(metrics: Any) -> str:
+    """Why a metrics map is refused ("" when it is fine): see the module docstring."""
+    if type(metrics) is not dict:
+        return f"metrics is {_short(metrics)}, not a map"
+    if len(metrics) > MAX_KEYS:
+        return f"{len(metrics)} figures (at most {MAX_KEYS})"
+    for key in metrics:
+        if type(key) is not str:
+            return f"a figure named {_short(key)} (names are strings)"
+    for name in _NAMED_MAPS:
+        inner = metrics.get(name)
+        if inner is None:
+            continue
+        if type(inner) is not dict or len(inner) > MAX_KEYS:
+            return f"{name} is {_short(inner)}, not a map"
+        for key in inner:
+            if type(key) is not str:
+                return f"{name} has a key {_short(key)} (names are strings)"
+    return ""

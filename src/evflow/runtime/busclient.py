@@ -26,7 +26,7 @@ from typing import Any, cast
 
 import zmq
 
-from evflow.errors import ConfigurationError, EvflowError
+from evflow.errors import ConfigurationError, EvflowError, ProtocolError
 from evflow.runtime.metrics import ProcessMetrics
 from evflow.transport.channel import Channel, ChannelConfig, open_channel
 from evflow.transport.paths import runtime_base_dir
@@ -360,6 +360,9 @@ class BusClient:
             if not isinstance(args, dict):
                 raise ConfigurationError(f"command args must be a map, got {type(args).__name__}")
             data = self._dispatch(node, str(cmd), args, header.get("ts"))
+        except ProtocolError as exc:  # a handler refused a malformed command: counted
+            self.bad.record_error(exc)
+            return {**reply, "ok": False, "error": str(exc)}
         except EvflowError as exc:
             return {**reply, "ok": False, "error": str(exc)}
         except Exception as exc:  # a bad handler must not kill the node's loop

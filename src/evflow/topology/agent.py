@@ -35,7 +35,8 @@ import zmq
 
 from evflow.errors import ConfigurationError
 from evflow.runtime.busclient import BusClient
-from evflow.runtime.supervisor import ExitEvent, Supervisor
+from evflow.runtime.supervisor import RESTART_POLICIES, ExitEvent, Supervisor
+from evflow.topology.busfields import node_name, opt_bool, opt_number, opt_str, str_list
 from evflow.topology.protocol import (
     CONTROLLER_LOST_S,
     CURVE_PRELOAD,
@@ -44,7 +45,7 @@ from evflow.topology.protocol import (
     agent_id,
     host_session,
 )
-from evflow.wire.messages import MsgType
+from evflow.wire.messages import MsgType, refuse
 
 log = logging.getLogger("evflow.agent")
 
@@ -52,6 +53,8 @@ log = logging.getLogger("evflow.agent")
 HEARD_TIMEOUT_S = 2.0
 #: devices forked per zygote request (the agent's heartbeat goes out between batches)
 SPAWN_BATCH = 16
+#: most devices one spawn request may name
+MAX_SPAWN = 100_000
 
 #: imported before the zygote forks, so that every device starts with them loaded
 PRELOAD = (
@@ -125,12 +128,14 @@ class Agent:
         from evflow.topology.node import FINAL_EXIT, run_node
 
         launches = args.get("devices")
-        if not isinstance(launches, list):
-            raise ConfigurationError("spawn needs a list of devices")
-        timeout_s = float(args.get("connect_timeout_s", 20.0))
-        stats_dir = str(args.get("stats_dir") or "")
-        steps = args.get("first_steps") or []
-        first = tuple(str(t) for t in steps) if isinstance(steps, list) else ()
+        if type(launches) is not list or len(launches) > MAX_SPAWN:
+            raise refuse("bad-spawn", f"spawn: 'devices' is not a list of at most {MAX_SPAWN}")
+        timeout_s = opt_number(args, "connect_timeout_s", "spawn", 0.0, 86400.0)
+        timeout_s = 20.0 if timeout_s is None else timeout_s
+        stats_dir = opt_str(args, "stats_dir", "spawn") or ""
+        first = tuple(str_list(args.get("first_steps") or [], "spawn.first_steps", 8, 32))
+        for launch in launches:  # each one whole before anything is forked
+            _check_launch(launch)
         pids = {}
         started = time.monotonic()
         specs = []
@@ -169,8 +174,10 @@ class Agent:
         return {"node_id": self.node_id, "pids": pids}
 
     def _shutdown(self, args: dict[str, Any]) -> dict[str, Any]:
-        self.grace_s = float(args.get("grace_s", self.grace_s))
-        if args.get("kill") and not self._kill:
+        grace_s = opt_number(args, "grace_s", "shutdown", 0.0, 3600.0)
+        kill = opt_bool(args, "kill", "shutdown")
+        self.grace_s = self.grace_s if grace_s is None else grace_s
+        if kill and not self._kill:
             # this host was declared lost (a cut link that came back): its devices must
             # not finish their streams as if nothing happened, not even with an END
             log.error("agent %s: the controller declared this host lost; killing its "
@@ -202,6 +209,8 @@ class Agent:
             returncode=event.returncode,
             message=event.message,
             restarts=event.restarts,
+            # ended while we shut down (the controller's stop): not a loss of its own
+            shutdown=self._stop,
         )
         proc = self.sup.processes.get(event.name)
         if proc is not None and proc.state == "running":
@@ -318,6 +327,19 @@ class Agent:
                     silent_s,
                 )
                 return
+
+
+def _check_launch(launch: Any) -> None:
+    """Refuse (ProtocolError) a spawn entry that is not a resolved device."""
+    from evflow.topology.resolve import ResolvedDevice
+
+    try:
+        dev = ResolvedDevice.from_wire(launch)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise refuse("bad-spawn", f"spawn: a device entry is not one ({exc!r})") from None
+    node_name(dev.id, "spawn: a device id")
+    if dev.restart not in RESTART_POLICIES:
+        raise refuse("bad-spawn", f"spawn: device {dev.id!r}: restart {dev.restart!r}")
 
 
 def _restart_walked(proc: Any) -> None:

@@ -412,6 +412,8 @@ class Controller(StartupSteps):
                 {"name": h, "lost": r.lost, "agent_pid": r.pid} for h, r in self.hosts.items()
             ],
             "devices": [r.row() for r in self.records.values()],
+            # bus messages refused, by kind (malformed, wrong types, strangers)
+            "bad_messages": dict(self.bus.bad.counts) if self.bus is not None else {},
         }
 
     # --- shutdown ----------------------------------------------------------------------

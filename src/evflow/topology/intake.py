@@ -15,10 +15,22 @@ from typing import Any
 
 import zmq
 
+from evflow.errors import ProtocolError
 from evflow.runtime.busclient import BusEndpoints, open_bus_sockets
+from evflow.topology.busfields import (
+    endpoint_map,
+    opt_bool,
+    opt_number,
+    opt_str,
+    parse_beat,
+    parse_summary,
+    state_name,
+    str_list,
+    str_map,
+)
 from evflow.topology.protocol import AGENT_PREFIX, CONTROLLER_ID
 from evflow.topology.records import DeviceRecord, HostRecord
-from evflow.wire.messages import BadMessageCounter, Message, MsgType, encode_message
+from evflow.wire.messages import BadMessageCounter, Message, MsgType, encode_message, refuse
 
 __all__ = ["ControllerBus"]
 
@@ -118,14 +130,25 @@ class ControllerBus:
                 return
 
     def _handle(self, msg: Message) -> None:
+        """One message; a bad one is refused whole (counted, logged once per kind)
+        before it changed anything: no bus message may stop the controller."""
+        try:
+            self._dispatch(msg)
+        except ProtocolError as exc:
+            self.bad.record_error(exc)
+        except (KeyError, TypeError, ValueError, IndexError, OverflowError, AttributeError) as exc:
+            # a value no check above foresaw: refused all the same
+            self.bad.record("unchecked-value", f"{msg.type.name}: {type(exc).__name__}: {exc}")
+
+    def _dispatch(self, msg: Message) -> None:
         header = msg.header
         sender = header.get("from")
-        if not isinstance(sender, str):
-            return
+        if type(sender) is not str:
+            raise refuse("bad-sender", f"{msg.type.name} whose 'from' is {sender!r}")
         if msg.type is MsgType.STATE:
             rec = self.records.get(sender)
             if rec is not None and not rec.from_old_process(header.get("pid")):
-                rec.see_state(str(header.get("state")))
+                rec.see_state(state_name(header.get("state"), "STATE.state"))
                 self.changed = True
         elif msg.type is MsgType.METRICS:
             self._metrics(sender, header)
@@ -135,102 +158,105 @@ class ControllerBus:
             self._command(sender, header)
 
     def _metrics(self, sender: str, header: dict[str, Any]) -> None:
-        metrics = header.get("metrics")
-        if not isinstance(metrics, dict):
-            return
+        metrics = str_map(header.get("metrics"), "METRICS.metrics")
         if sender.startswith(AGENT_PREFIX):
             self._agent_beat(sender[len(AGENT_PREFIX) :], metrics.get("agent"))
             return
         rec = self.records.get(sender)
         if rec is None or rec.from_old_process(metrics.get("pid")):
             return
-        if header.get("final"):
-            summary = header.get("summary")
-            rec.summary = summary if isinstance(summary, dict) else {}
-            error = header.get("error")
-            rec.error = str(error) if error else rec.error
+        # everything is read and checked first: a refused message changes nothing
+        final = opt_bool(header, "final", "METRICS")
+        summary = parse_summary(header.get("summary") or {}) if final else {}
+        error = opt_str(header, "error", "METRICS") if final else None
         state = metrics.get("node_state")
-        if isinstance(state, str):
+        state = state_name(state, "METRICS.node_state") if state is not None else None
+        raw_rates = metrics.get("rates")
+        rates = str_map(raw_rates, "METRICS.rates") if raw_rates is not None else {}
+        in_hz = opt_number(rates, "messages_in_hz", "METRICS.rates")
+        out_hz = opt_number(rates, "messages_out_hz", "METRICS.rates")
+        if final:
+            rec.summary = summary
+            rec.error = error or rec.error
+        if state is not None:
             rec.see_state(state)
-        rates = metrics.get("rates")
-        if isinstance(rates, dict):
-            rec.msg_in_hz = float(rates.get("messages_in_hz") or 0.0)
-            rec.msg_out_hz = float(rates.get("messages_out_hz") or 0.0)
+        if raw_rates is not None:
+            rec.msg_in_hz, rec.msg_out_hz = in_hz or 0.0, out_hz or 0.0
         self.changed = True
 
     def _agent_beat(self, host: str, agent: Any) -> None:
         rec = self.hosts.get(host)
-        if rec is None or not isinstance(agent, dict):
+        if rec is None:
             return
+        beat = parse_beat(agent)
         rec.last_beat_s = time.monotonic()
-        rec.pid = agent.get("pid") if isinstance(agent.get("pid"), int) else rec.pid
-        if isinstance(agent.get("preflight"), dict):
-            rec.preflight = agent["preflight"]
-        devices = agent.get("devices")
-        if not isinstance(devices, dict):
-            return
-        for dev_id, entry in devices.items():
+        rec.pid = beat.pid if beat.pid is not None else rec.pid
+        if beat.preflight is not None:
+            rec.preflight = beat.preflight
+        for dev_id, entry in beat.devices.items():
             dev = self.records.get(dev_id)
-            if dev is None or not isinstance(entry, dict) or dev.process == "lost":
+            if dev is None or dev.process == "lost":
                 continue
-            process = _OUTCOMES.get(str(entry.get("state")))
+            process = _OUTCOMES.get(entry.state)
             if process is None:
                 continue
             if process != dev.process:
                 self.changed = True
             dev.process = process
-            pid = entry.get("pid")
+            pid = entry.pid
             # a new process: a higher restart count, or (should a beat carry a stale
             # count) a new pid of a running device; either way it is walked again
-            restarts = int(entry.get("restarts") or 0)
-            renewed = isinstance(pid, int) and dev.pid is not None and pid != dev.pid
-            if process == "running" and (restarts > dev.restarts or renewed):
+            renewed = pid is not None and dev.pid is not None and pid != dev.pid
+            if process == "running" and (entry.restarts > dev.restarts or renewed):
                 if dev.pid is not None and pid != dev.pid:
                     dev.old_pids.add(dev.pid)
                 dev.rewalk, dev.rank, dev.state = True, -1, "RESTARTED"
                 dev.next_step_s = 0.0  # walked at once (its first step may be resent)
                 dev.step_rank = -2
-            dev.pid = pid if isinstance(pid, int) else dev.pid
-            rc = entry.get("returncode")
-            dev.returncode = rc if isinstance(rc, int) else dev.returncode
-            dev.message = str(entry.get("message") or dev.message)
-            dev.restarts = max(restarts, dev.restarts)
+            dev.pid = pid if pid is not None else dev.pid
+            dev.returncode = entry.returncode if entry.returncode is not None else dev.returncode
+            dev.message = entry.message or dev.message
+            dev.stopped_at_shutdown = entry.shutdown
+            dev.restarts = max(entry.restarts, dev.restarts)
 
     def _reply(self, sender: str, header: dict[str, Any]) -> None:
         if sender.startswith(AGENT_PREFIX) and sender[len(AGENT_PREFIX) :] in self.hosts:
             self.hosts[sender[len(AGENT_PREFIX) :]].last_beat_s = time.monotonic()  # alive
         req = header.get("req")
+        ok = header.get("ok")
+        if type(ok) is not bool:
+            raise refuse("bad-field", f"REPLY of {sender!r}: 'ok' is {ok!r}; expected a bool")
         if isinstance(req, str) and req in self.replies:
             self.replies[req].setdefault(sender, dict(header))
         data = header.get("data")
-        if not header.get("ok") or not isinstance(data, dict):
+        if not ok or not isinstance(data, dict):
             return
         rec = self.records.get(sender)
         if rec is None:
             return
         cmd = header.get("cmd")
-        if cmd == "set-property" and not header.get("req"):  # a device's notice
-            self._endpoints(data.get("endpoints"))
+        if cmd == "set-property" and not req:  # a device's notice
+            self._endpoints(data.get("endpoints"), "set-property")
             return
-        if cmd == "get-properties" and not header.get("req"):
+        if cmd == "get-properties" and not req:
             self._get_properties(sender, data)
             return
         if cmd in ("check-state", "ping"):
             state = data.get("node_state")
-            if isinstance(state, str) and not rec.from_old_process(data.get("pid")):
-                rec.see_state(state)
+            endpoints = data.get("endpoints")
+            checked = endpoint_map(endpoints, f"{cmd}.endpoints") if endpoints else {}
+            if state is not None and not rec.from_old_process(data.get("pid")):
+                rec.see_state(state_name(state, f"{cmd}.node_state"))
                 self.changed = True
-            self._endpoints(data.get("endpoints"))
+            self.properties.update(checked)
 
-    def _endpoints(self, endpoints: Any) -> None:
-        if not isinstance(endpoints, dict):
-            return
-        for key, urls in endpoints.items():
-            if isinstance(key, str) and isinstance(urls, list) and urls:
-                self.properties[key] = [str(u) for u in urls]
+    def _endpoints(self, endpoints: Any, what: str) -> None:
+        for key, urls in endpoint_map(endpoints, f"{what}.endpoints").items():
+            if urls:
+                self.properties[key] = urls
 
     def _get_properties(self, sender: str, args: dict[str, Any]) -> None:
-        keys = [k for k in args.get("keys") or [] if isinstance(k, str)]
+        keys = str_list(args.get("keys") or [], "get-properties.keys")
         known = {k: self.properties[k] for k in keys if k in self.properties}
         if known:
             self.send("set-properties", [sender], {"properties": known})
@@ -240,7 +266,7 @@ class ControllerBus:
         raw_args = header.get("args")
         args: dict[str, Any] = raw_args if isinstance(raw_args, dict) else {}
         if cmd == "set-property":
-            self._endpoints(args.get("endpoints"))
+            self._endpoints(args.get("endpoints"), cmd)
             return
         if cmd == "get-properties":
             self._get_properties(sender, args)

@@ -33,6 +33,7 @@ import zmq
 from evflow.errors import EvflowError, IncompleteStreamError, PeerLostError
 from evflow.runtime.busclient import BusClient
 from evflow.runtime.states import STARTUP_SEQUENCE, State
+from evflow.topology.busfields import endpoint_map, opt_str, str_list
 from evflow.topology.protocol import CONTROLLER_ID, walk_request
 from evflow.topology.resolve import ResolvedChannel, ResolvedDevice
 from evflow.transport.channel_config import ChannelConfig
@@ -158,29 +159,29 @@ class Exchange:
                 "endpoints": self.endpoints,
             }
 
-        def take(props: Any) -> None:
-            if isinstance(props, dict):
-                for key, urls in props.items():
-                    if isinstance(key, str) and isinstance(urls, list):
-                        self.properties[key] = [str(u) for u in urls]
+        def take(props: Any, what: str) -> None:
+            if props is not None:  # checked whole first: a bad map changes nothing
+                self.properties.update(endpoint_map(props, what))
 
         def set_properties(args: dict[str, Any]) -> dict[str, Any]:
-            take(args.get("properties"))
+            take(args.get("properties"), "set-properties.properties")
             return {"node_id": self.launch.id, "known": len(self.properties)}
 
         def transition(args: dict[str, Any]) -> dict[str, Any]:
-            # a restarted device's BIND carries the endpoints it bound before (startup.py)
-            take(args.get("properties"))
             names = args.get("transitions")
-            if isinstance(names, list):  # the start-up walk: a sequence, taken in order
+            if names is not None:
+                str_list(names, "transition.transitions", 8, 32)
+            name = opt_str(args, "transition", "transition", 32) or ""
+            # a restarted device's BIND carries the endpoints it bound before (startup.py)
+            take(args.get("properties"), "transition.properties")
+            if names is not None:  # the start-up walk: a sequence, taken in order
                 return take_sequence(device, self.launch.id, names)
-            name = str(args.get("transition", ""))
             if name.upper() == "STOP":
                 self.stop_requested = True
             return client._transition(device, name)
 
         def peer_lost(args: dict[str, Any]) -> dict[str, Any]:
-            peer = str(args.get("peer", ""))
+            peer = opt_str(args, "peer", "peer-lost", 200) or ""
             handler = getattr(device, "peer_lost", None)
             if handler is not None and peer:
                 handler(peer)

@@ -49,6 +49,9 @@ class DeviceRecord:
     msg_out_hz: float = 0.0
     summary: dict[str, Any] = field(default_factory=dict)
     restarts: int = 0
+    #: it ended while its agent shut down (the controller's stop, SIGKILL after the
+    #: grace for one that hung): a consequence of the stop, not a loss of its own
+    stopped_at_shutdown: bool = False
     #: restarted by its agent: to be walked to RUNNING again (``next_step_s``: resend time,
     #: ``step_rank``: its rank when the last step went, so a reported move goes on at once)
     rewalk: bool = False
@@ -75,9 +78,22 @@ class DeviceRecord:
 
     @property
     def lost(self) -> bool:
-        """Gone without a clean exit (killed, crashed, ERROR, or its host lost)."""
+        """Gone without a clean exit (killed, crashed, ERROR, or its host lost); not
+        a device its agent stopped while shutting down (``killed_at_shutdown``)."""
+        if self.process == "stopped" and self.stopped_at_shutdown:
+            return False
         return self.process in ("failed", "lost") or (
             self.process in ("done", "stopped") and self.returncode not in (0, None)
+        )
+
+    @property
+    def killed_at_shutdown(self) -> bool:
+        """Stopped by its agent's shutdown without a clean exit (it hung past the grace,
+        e.g. waiting for a peer that was lost): reported as stopped, not as lost."""
+        return (
+            self.process == "stopped"
+            and self.stopped_at_shutdown
+            and self.returncode not in (0, None)
         )
 
     def see_state(self, state: str) -> None:
@@ -96,6 +112,7 @@ class DeviceRecord:
             "msg_out_hz": round(self.msg_out_hz, 1),
             "restarts": self.restarts,
             "error": self.error,
+            "stopped_at_shutdown": self.killed_at_shutdown,
         }
 
 

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from evflow.errors import PeerLostError, TimeoutError_
-from evflow.runtime.busclient import BusEndpoints
+from evflow.runtime.busclient import PROXY_ID, BusEndpoints
 from evflow.topology.intake import ControllerBus
 from evflow.topology.launch.base import AgentHandle
 from evflow.topology.records import RANK, DeviceRecord, HostRecord
@@ -81,10 +81,10 @@ class StartupSteps:
                 next_send = time.monotonic() + ASK_BUS_S
             self.bus.pump(0.005)
             self._check_interrupt()
-            reply = self.bus.replies.get(req)
-            if reply:
+            answer = self.bus.replies.get(req, {}).get(PROXY_ID)  # (not a stranger's)
+            if answer is not None:
                 self.bus.forget(req)
-                data = next(iter(reply.values())).get("data")
+                data = answer.get("data")
                 return data if isinstance(data, dict) else {}
         return None
 
@@ -92,8 +92,8 @@ class StartupSteps:
         if self.local:
             return lambda address: str(endpoints)
         data = getattr(self, "_bus_metrics", None) or {}
-        pubs = [e for e in data.get("publish_endpoints", []) if e.startswith("tcp://")]
-        subs = [e for e in data.get("subscribe_endpoints", []) if e.startswith("tcp://")]
+        pubs = _tcp(data.get("publish_endpoints"))
+        subs = _tcp(data.get("subscribe_endpoints"))
         if not pubs or not subs:
             raise PeerLostError("the bus proxy did not report its tcp endpoints")
 
@@ -235,6 +235,13 @@ class StartupSteps:
         assert self.bus is not None
         props = self.bus.properties
         return {k: v for k, v in props.items() if k.rpartition(".")[0] == dev_id}
+
+
+def _tcp(endpoints: Any) -> list[str]:
+    """The tcp endpoints in what the bus proxy reported (a list of strings)."""
+    if not isinstance(endpoints, list):
+        return []
+    return [e for e in endpoints if isinstance(e, str) and e.startswith("tcp://")]
 
 
 def route_source(address: str) -> str:

@@ -103,7 +103,7 @@ class Dashboard:
 
     @property
     def metrics_url(self) -> str:
-        base = f"http://{_urlhost(self.host)}:{self.port}/metrics"
+        base = f"http://{_urlhost(reachable_host(self.host))}:{self.port}/metrics"
         return base + (f"?token={self.token}" if self.token else "")
 
     def stop(self, timeout_s: float = 5.0) -> None:
@@ -193,9 +193,64 @@ def start_dashboard(
         if collector is not None:
             collector.stop()
         raise
-    url = f"http://{_urlhost(host)}:{real_port}/" + (f"?token={token}" if token else "")
+    shown = reachable_host(host)
+    url = f"http://{_urlhost(shown)}:{real_port}/" + (f"?token={token}" if token else "")
     return Dashboard(url, host, real_port, store, token, server, thread, collector, sock)
 
 
 def _urlhost(host: str) -> str:
     return f"[{host}]" if ":" in host else host
+
+
+#: bind addresses that mean "every interface": no browser can open them
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def reachable_host(host: str) -> str:
+    """The host to print in a URL for a server bound to ``host``: for a wildcard
+    bind, this machine's fully qualified name when it resolves to one of its own
+    non-loopback addresses, else the first such address (loopback as a last resort)."""
+    if host not in WILDCARDS:
+        return host
+    family = socket.AF_INET6 if host == "::" else socket.AF_INET
+    fqdn = socket.getfqdn()
+    if fqdn and "." in fqdn and not _loopback(_resolve(fqdn, family)):
+        return fqdn
+    for address in _own_addresses(family):
+        if not _loopback([address]):
+            return address
+    return "::1" if family == socket.AF_INET6 else "127.0.0.1"
+
+
+def _resolve(name: str, family: int) -> list[str]:
+    try:
+        infos = socket.getaddrinfo(name, None, family, socket.SOCK_STREAM)
+    except OSError:
+        return []
+    return [str(info[4][0]) for info in infos]
+
+
+def _loopback(addresses: list[str]) -> bool:
+    """True when there is no address, or any is loopback (127.x, ::1)."""
+    import ipaddress
+
+    try:
+        return not addresses or any(ipaddress.ip_address(a).is_loopback for a in addresses)
+    except ValueError:
+        return True
+
+
+def _own_addresses(family: int) -> list[str]:
+    """This machine's addresses of ``family``, by interface (psutil), then by name."""
+    try:
+        import psutil  # type: ignore[import-untyped]
+
+        found = [
+            a.address.split("%")[0]
+            for addrs in psutil.net_if_addrs().values()
+            for a in addrs
+            if a.family == family
+        ]
+    except Exception:  # no psutil view of the interfaces: the host name's addresses
+        found = []
+    return found or _resolve(socket.gethostname(), family)

@@ -12,12 +12,19 @@ from evflow.monitor.collector import MetricsStore, NodeRecord, _number
 
 #: a device silent this long (s) is shown as stale
 STALE_S = 5.0
+#: states after which a device does no more work: its rates are 0, not its last ones
+ENDED_STATES = frozenset({"EXITING", "ERROR"})
 
 
 def device_row(rec: NodeRecord, now: float) -> dict[str, Any]:
     m = rec.metrics
+    stale = now - rec.last_seen_s > STALE_S
+    ended = rec.state in ENDED_STATES
     raw_rates = m.get("rates")
-    rates: dict[str, Any] = raw_rates if isinstance(raw_rates, dict) else {}
+    # an ended or silent device does nothing now: its last published rates are history
+    rates: dict[str, Any] = (
+        raw_rates if isinstance(raw_rates, dict) and not (ended or stale) else {}
+    )
     fill = None
     cap = _number(m.get("receive_buffer_capacity"))
     if cap > 0:
@@ -40,9 +47,10 @@ def device_row(rec: NodeRecord, now: float) -> dict[str, Any]:
         "queue_fill": fill,
         "queue_size": _number(m.get("receive_buffer_size")),
         "rss_mb": round(_number(m.get("VmRSS")) / 1024, 1),
-        "cpu_percent": _number(m.get("cpu_percent")),
+        "cpu_percent": 0.0 if ended or stale else _number(m.get("cpu_percent")),
         "age_s": round(max(0.0, now - rec.last_seen_s), 1),
-        "stale": now - rec.last_seen_s > STALE_S,
+        "stale": stale,
+        "ended": ended,
     }
 
 
@@ -81,6 +89,12 @@ def run_view(store: MetricsStore) -> dict[str, Any]:
     rates = store.rates()[-120:]
     modules = store.module_times()[-120:]
     names = sorted({m for _, times in modules for m in times})
+    # nothing heard for a while (the run ended, or stalled): the plots fall to 0 now
+    # instead of holding the last value
+    if rates and now - rates[-1][0] > STALE_S:
+        rates.append((now, 0.0))
+    if modules and now - modules[-1][0] > STALE_S:
+        modules.append((now, dict.fromkeys(names, 0.0)))
     return {
         "time": time.time(),
         "title": info.get("title", "evflow"),
@@ -88,7 +102,7 @@ def run_view(store: MetricsStore) -> dict[str, Any]:
         "edges": edges,
         "progress": progress(rows, info),
         "rate": {"t": [t for t, _ in rates], "events_hz": [v for _, v in rates]},
-        # cumulative seconds per module (all workers); the page plots their rate
+        # busy time per module, s per s summed over the workers (1 = one core)
         "modules": {
             "t": [t for t, _ in modules],
             "s": {m: [times.get(m, 0.0) for _, times in modules] for m in names},

@@ -153,6 +153,7 @@ class _Input(FeedMixin, WorkersMixin, BackMixin):
         self.output_end_sent = False
         self.done = False
         self.bad = BadMessageCounter("input")
+        self.messages_in = 0  # READY, CONFIRM, HELLO... (the dashboard's msg/s in)
         self.it: Any = None
         self.encoded = False  # the source yields encoded events (fastpath.py)
         # transport "shm": unpacked (large) batches are copied into this arena once
@@ -244,6 +245,7 @@ class _Input(FeedMixin, WorkersMixin, BackMixin):
         return {
             "events_in": self.read,
             "events_out": sent,
+            "messages_in": self.messages_in,
             "messages_out": self.next_bid,
             "read": self.read,
             "dropped": self.dropped,
@@ -274,6 +276,7 @@ class _Input(FeedMixin, WorkersMixin, BackMixin):
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=copy)
             except zmq.Again:
                 return
+            self.messages_in += 1
             try:
                 handler(frames)
             except ProtocolError as exc:

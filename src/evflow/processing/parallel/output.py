@@ -179,6 +179,9 @@ class _Output:
         self.end_at = 0.0
         self.abort = False
         self.bad = BadMessageCounter("output")
+        # messages on the data sockets (the dashboard's msg/s): results in, CONFIRMs out
+        self.messages_in = 0
+        self.messages_out = 0
         # what each socket may carry: anything else there is dropped and counted
         # (a results socket any worker reaches must not end the run, say)
         self.accepts = {
@@ -236,6 +239,8 @@ class _Output:
         return {
             "events_in": self.events_done,
             "events_out": self.written,
+            "messages_in": self.messages_in,
+            "messages_out": self.messages_out,
             "written": self.written,
             "dropped": self.dropped,
             "quarantined": self.quarantined,
@@ -257,6 +262,7 @@ class _Output:
             msg = self.bad.decode(frames)
             if msg is None:
                 continue
+            self.messages_in += 1
             if msg.type not in self.accepts[sock]:
                 self.bad.record("wrong-socket", f"{msg.type.name} where it is never sent")
                 continue
@@ -479,6 +485,7 @@ class _Output:
         self.fills.confirmed(uids)  # flushed: the saved merged state may follow
         message = encode_message(MsgType.CONFIRM, {"n": len(uids)}, [uids.tobytes()])
         self.back.send_multipart(message)
+        self.messages_out += 1
         self.confirmed_at = time.monotonic()
         self.pending = []
         self.pending_n = 0

@@ -104,6 +104,10 @@ class _Worker:
         self.event_buffer = event_buffer
         self.events_in = 0
         self.events_kept = 0
+        # messages on the data sockets (the dashboard's msg/s): batches in, results
+        # and READYs out
+        self.messages_in = 0
+        self.messages_out = 0
         self.first_event_at = 0.0  # wall clock (s) when the first batch arrived
         self.bad = BadMessageCounter(f"worker {name}")
         self.deltas = DeltaEncoder()  # persistent objects travel as per-batch deltas
@@ -142,6 +146,7 @@ class _Worker:
             msg = self.bad.decode(dealer.recv_multipart(copy=False))
             if msg is None:
                 continue  # counted and dropped: bad bytes never crash a worker
+            self.messages_in += 1
             if msg.type == MsgType.EVENTS:
                 try:
                     self._process(msg.header, msg.payload)
@@ -268,10 +273,12 @@ class _Worker:
                     out["fx"] = len(failed)  # their partial fills are in the delta
                 body = [*body, *delta]
             self.push.send_multipart(encode_message(MsgType.EVENTS, out, body), copy=not large)
+            self.messages_out += 1
         ready: dict[str, Any] = {"credit": n, "t": per_event_s}
         if failed:
             ready["f"] = failed
         self.dealer.send_multipart(encode_message(MsgType.READY, ready))
+        self.messages_out += 1
         self.events_in += n
         self.events_kept += n_kept
 
@@ -280,6 +287,8 @@ class _Worker:
         return {
             "events_in": self.events_in,
             "events_out": self.events_kept,
+            "messages_in": self.messages_in,
+            "messages_out": self.messages_out,
             "first_event_at": self.first_event_at,
             "bad_messages": self.bad.total,
             # per-module wall time, for the dashboard's module plot (a few modules)

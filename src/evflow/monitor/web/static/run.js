@@ -16,7 +16,7 @@ const RECENT_S = 15;
 
 function deviceRow(d) {
   const fill = d.queue_fill === null ? "-" : "";
-  const tr = ev.el("tr", { "data-device": d.id, class: d.stale ? "stale" : "" },
+  const tr = ev.el("tr", { "data-device": d.id, class: d.stale || d.ended ? "stale" : "" },
     ev.el("td", {}, d.id), ev.el("td", { class: "host" }, d.host), ev.el("td", { class: "role" }, d.role),
     ev.el("td", {}, ev.el("span", { class: "state state-" + d.state, "data-state": d.state }, d.state),
       ...(d.restarted_ago_s !== null && d.restarted_ago_s < RECENT_S
@@ -90,15 +90,14 @@ function update(data) {
   Plotly.react("rateplot", [{ x: t, y: data.rate.events_hz, mode: "lines", name: "events/s" }],
     { title: { text: "workers' event rate (events/s)", font: { size: 13 } }, margin: { t: 30, l: 50, r: 10, b: 30 } },
     { displayModeBar: false });
-  if (data.modules && data.modules.t.length > 1) plotModules(data.modules);
+  if (data.modules && data.modules.t.length > 0) plotModules(data.modules);
 }
 
-// per-module busy time: d(seconds in event())/dt summed over the workers (1 = one core)
+// per-module busy time, s per s summed over the workers (1 = one core): the collector
+// computes it from each worker's own clock (collector.py), the page only plots it
 function plotModules(m) {
-  const traces = Object.entries(m.s).map(([name, secs]) => ({
-    x: m.t.slice(1).map((s) => new Date(s * 1000)),
-    y: secs.slice(1).map((v, i) => Math.max(0, (v - secs[i]) / Math.max(1e-9, m.t[i + 1] - m.t[i]))),
-    mode: "lines", name: name,
+  const traces = Object.entries(m.s).map(([name, busy]) => ({
+    x: m.t.map((s) => new Date(s * 1000)), y: busy, mode: "lines", name: name,
   }));
   Plotly.react("moduleplot", traces,
     { title: { text: "time in each module (s per s, all workers)", font: { size: 13 } },

@@ -48,3 +48,21 @@ def size_of(path: Path) -> int:
         return path.stat().st_size
     except FileNotFoundError:
         return 0
+
+
+def _signal_set(pid: int, field: str) -> int:
+    """The ``SigIgn``/``SigCgt`` mask of ``pid`` (/proc/PID/status): bit n-1 is signal n."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1], 16)
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+def signal_ignored(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` ignores ``sig`` now (a signal sent then is discarded)."""
+    return bool(_signal_set(pid, "SigIgn") & (1 << (sig - 1)))
+
+
+def signal_caught(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` installed now."""
+    return bool(_signal_set(pid, "SigCgt") & (1 << (sig - 1)))

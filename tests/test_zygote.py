@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from _wait import wait_until
+from _wait import signal_caught, signal_ignored, wait_until
 from evflow.errors import ConfigurationError, PeerLostError
 from evflow.runtime.zygote import Zygote, zmq_threads_running
 
@@ -75,22 +75,6 @@ def _fork_grandchild(path: str) -> int:
     with open(path, "w") as fh:
         fh.write(str(pid))
     return 0
-
-
-def _signal_set(pid: int, field: str) -> int:
-    """The ``SigIgn``/``SigCgt`` mask of ``pid`` (/proc/PID/status): bit n-1 is signal n."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1], 16)
-    raise AssertionError(f"no {field} in /proc/{pid}/status")
-
-
-def _ignores(pid: int, sig: int) -> bool:
-    return bool(_signal_set(pid, "SigIgn") & (1 << (sig - 1)))
-
-
-def _catches(pid: int, sig: int) -> bool:
-    return bool(_signal_set(pid, "SigCgt") & (1 << (sig - 1)))
 
 
 def _wait_exits(zygote: Zygote, count: int, timeout_s: float = 10.0) -> dict[int, int]:
@@ -207,7 +191,7 @@ def test_children_are_out_of_the_terminal_group_and_ignore_sigint(zygote: Zygote
     pid = zygote.spawn(_sleep, 30, name="sleepy")
     # the child sets its name, group and SIGINT disposition just after the fork
     wait_until(lambda: psutil.Process(pid).name() == "sleepy", 30, "the child's name")
-    wait_until(lambda: _ignores(pid, signal.SIGINT), 30, "the child ignoring SIGINT")
+    wait_until(lambda: signal_ignored(pid, signal.SIGINT), 30, "the child ignoring SIGINT")
     wait_until(lambda: os.getpgid(pid) != os.getpgrp(), 30, "the child in its own group")
     # an ignored signal is discarded when it is sent: the child cannot die of it later
     os.kill(pid, signal.SIGINT)
@@ -221,8 +205,8 @@ def test_stop_terminates_gracefully_then_kills(zygote: Zygote, tmp_path: os.Path
     polite = zygote.spawn(_term_politely, marker)
     stubborn = zygote.spawn_exec(["sh", "-c", "trap '' TERM; sleep 30"], name="stubborn")
     # both ready for the SIGTERM: a handler installed, the signal ignored
-    wait_until(lambda: _catches(polite, signal.SIGTERM), 30, "the polite child's handler")
-    wait_until(lambda: _ignores(stubborn, signal.SIGTERM), 30, "the stubborn child's trap")
+    wait_until(lambda: signal_caught(polite, signal.SIGTERM), 30, "the polite child's handler")
+    wait_until(lambda: signal_ignored(stubborn, signal.SIGTERM), 30, "the stubborn child's trap")
     start = time.monotonic()
     got = dict(zygote.stop(grace_s=0.5))
     assert got == {polite: 0, stubborn: -signal.SIGKILL}

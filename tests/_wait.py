@@ -42,6 +42,19 @@ def wait_until(
         time.sleep(interval_s)
 
 
+def poll_until(predicate: Callable[[], object], timeout_s: float, interval_s: float = 0.02) -> bool:
+    """Poll ``predicate`` until it is true (True) or ``timeout_s`` passed (False).
+
+    For a test that then asserts the condition itself, with its own detailed message.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval_s)
+    return True
+
+
 def size_of(path: Path) -> int:
     """The size of ``path`` in bytes; 0 while it does not exist (yet, or any more)."""
     try:

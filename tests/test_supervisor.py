@@ -226,6 +226,10 @@ def _start_supervisor_script(path: Path, grace_s: float, linger_s: float) -> tup
     assert len(pids) == 3
     for pid in pids:
         wait_until(lambda: signal_caught(pid, signal.SIGTERM), 30, f"{pid}'s SIGTERM handler")  # noqa: B023
+    # and the supervisor's own: run() installs SIGINT's, then SIGTERM's (Python's
+    # default SIGINT handler is there from the start: a SIGINT before run() would be a
+    # KeyboardInterrupt)
+    wait_until(lambda: signal_caught(proc.pid, signal.SIGTERM), 30, "the supervisor's handlers")
     return proc, pids
 
 

@@ -77,7 +77,7 @@ def _fork_grandchild(path: str) -> int:
     return 0
 
 
-def _wait_exits(zygote: Zygote, count: int, timeout_s: float = 10.0) -> dict[int, int]:
+def _wait_exits(zygote: Zygote, count: int, timeout_s: float = 30.0) -> dict[int, int]:
     """Wait on zygote.fileno() until ``count`` exits arrived."""
     got: dict[int, int] = {}
     deadline = time.monotonic() + timeout_s

@@ -23,6 +23,7 @@ from typing import Any
 import psutil
 import zmq
 
+from _wait import wait_until
 from evflow import Module
 from evflow.io.records import RecordReader, decode_record
 from evflow.wire.messages import MsgType, encode_message
@@ -100,6 +101,28 @@ class HostileRun:
             self.proc.communicate(timeout=10)
         if self.session is not None:  # a killed run cannot remove its session directory
             shutil.rmtree(self.session, ignore_errors=True)
+
+    def wait_flowing(self, timeout_s: float = 60.0) -> None:
+        """Until the output wrote events: workers said HELLO, events flow (asked on the
+        run's bus; the output file says nothing before its 4 MB buffer is full)."""
+        from evflow.errors import TimeoutError_
+        from evflow.runtime.bus import BusController
+        from evflow.runtime.busclient import BusEndpoints
+
+        assert self.session is not None
+        ctl = BusController(self.ctx, BusEndpoints.for_session(self.session.name))
+
+        def flowing() -> bool:
+            try:
+                reply = ctl.request("get-metrics", "output", timeout_s=1.0)[0]
+            except TimeoutError_:
+                return False
+            return bool(reply.get("ok")) and reply["data"].get("written", 0) > 0
+
+        try:
+            wait_until(flowing, timeout_s, "events written by the run", proc=self.proc)
+        finally:
+            ctl.close()
 
     def _wait_session(self) -> Path:
         base = Path(os.environ["EVFLOW_RUNTIME_DIR"])

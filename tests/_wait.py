@@ -42,9 +42,40 @@ def wait_until(
         time.sleep(interval_s)
 
 
+def poll_until(predicate: Callable[[], object], timeout_s: float, interval_s: float = 0.02) -> bool:
+    """Poll ``predicate`` until it is true (True) or ``timeout_s`` passed (False).
+
+    For a test that then asserts the condition itself, with its own detailed message.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval_s)
+    return True
+
+
 def size_of(path: Path) -> int:
     """The size of ``path`` in bytes; 0 while it does not exist (yet, or any more)."""
     try:
         return path.stat().st_size
     except FileNotFoundError:
         return 0
+
+
+def _signal_set(pid: int, field: str) -> int:
+    """The ``SigIgn``/``SigCgt`` mask of ``pid`` (/proc/PID/status): bit n-1 is signal n."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1], 16)
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+def signal_ignored(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` ignores ``sig`` now (a signal sent then is discarded)."""
+    return bool(_signal_set(pid, "SigIgn") & (1 << (sig - 1)))
+
+
+def signal_caught(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` installed now."""
+    return bool(_signal_set(pid, "SigCgt") & (1 << (sig - 1)))

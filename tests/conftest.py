@@ -11,6 +11,16 @@ from pathlib import Path
 import psutil
 import pytest
 
+# A suite started in the background (`pytest &` in a script, nohup, a CI step without
+# job control) inherits SIGINT (and SIGQUIT) ignored, and so does every process its tests start: the
+# tests of Ctrl-C handling then fail for no fault of evflow (a run keeps an ignored
+# SIGINT ignored, on purpose). Python's own handler, as in a terminal; exec'd children
+# get the default disposition. SIGQUIT is ignored there too: back to the default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+if signal.getsignal(signal.SIGQUIT) is signal.SIG_IGN:
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
 
 @pytest.fixture(autouse=True)
 def _runtime_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:

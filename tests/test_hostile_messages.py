@@ -31,7 +31,7 @@ def _assert_undisturbed(summary: dict[str, Any]) -> None:
 
 
 def _settle(run: HostileRun) -> None:
-    time.sleep(0.3)  # the run is under way: workers said HELLO, events flow
+    run.wait_flowing()  # the run is under way: workers said HELLO, events flow
 
 
 def test_garbage_event_bytes_on_the_results_socket_do_not_stop_the_run(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from _hostile import ALL_TYPES, ENDPOINTS, HostileRun, garbage_messages, send
 
 def test_every_socket_type_on_every_endpoint_gets_nothing_acted_on(tmp_path: Path) -> None:
     with HostileRun(tmp_path, n=2500, extra={"ipc_auth": False}) as run:
-        time.sleep(0.3)
+        run.wait_flowing()
         sent = 0
         for name in ENDPOINTS:
             for kind in ALL_TYPES:

@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from evflow.topology.launch._guard import READY_PREFIX
+from evflow.topology.launch._guard import DEFAULT_GRACE_S, READY_PREFIX
 from farm_hosts import probe_argv, probe_env
 
 GUARD = [sys.executable, "-m", "evflow.topology.launch._guard"]
@@ -68,7 +68,9 @@ def test_guard_ends_the_whole_tree(how: str) -> None:
     _close(guard)
     assert _gone(tree) == []
     if how == "term line":  # the escapers ignore SIGTERM: SIGKILL came after 0.2 s
-        assert time.monotonic() - t0 < 1.5
+        # not after the default grace: a loaded machine makes that path longer still, so
+        # anything below it is the line's 0.2 s (1.5 s was tight under load)
+        assert time.monotonic() - t0 < DEFAULT_GRACE_S
 
 
 def test_guard_passes_the_exit_code_and_sweeps_orphans() -> None:
@@ -82,6 +84,8 @@ def test_detached_guard_ignores_stdin_eof() -> None:
     guard, tree = _start(detached=True)
     assert guard.stdin is not None
     guard.stdin.close()
+    # an absence: a window for a wrong reaction to show (a loaded machine can only make
+    # this test pass without having shown it, never fail it)
     time.sleep(0.3)
     assert guard.poll() is None and _gone(tree, 0) == tree
     guard.send_signal(signal.SIGTERM)

@@ -212,7 +212,7 @@ def test_outsiders_get_nothing_acted_on_in_a_real_run(tmp_path: Path) -> None:
         assert run.session is not None
         assert stat.S_IMODE(run.session.stat().st_mode) == 0o700
         assert stat.S_IMODE(run.session.parent.stat().st_mode) == 0o700
-        time.sleep(0.3)
+        run.wait_flowing()
         for name in ENDPOINTS:
             for kind in ALL_TYPES:
                 sock = run.connect(kind, name)

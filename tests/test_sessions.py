@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ from pathlib import Path
 import psutil
 
 import evflow
+from _wait import wait_until
 from evflow.io.generators import BusyWork, ToyGenerator
 from evflow.transport.paths import runtime_base_dir, session_dir
 from evflow.transport.sessions import (
@@ -92,6 +94,15 @@ evflow.process(path, workers=2, quiet=True)
 """
 
 
+def _workers_below(pid: int) -> int:
+    """How many processes below ``pid`` are named worker-*."""
+    n = 0
+    for p in psutil.Process(pid).children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            n += p.name().startswith("worker")
+    return n
+
+
 def test_the_next_run_removes_the_session_of_a_run_killed_with_kill_9(
     _runtime_dir: Path,
 ) -> None:
@@ -105,7 +116,8 @@ def test_the_next_run_removes_the_session_of_a_run_killed_with_kill_9(
             if sessions and {"events", "results"} <= {p.name for p in sessions[0].iterdir()}:
                 break  # the input and the output are up
             time.sleep(0.05)
-        time.sleep(0.3)  # the workers run
+        # the workers run: both forked and named
+        wait_until(lambda: _workers_below(proc.pid) >= 2, 30, "2 workers", proc=proc)
         tree = psutil.Process(proc.pid).children(recursive=True)  # zygote, roles
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the parent (the zygote has its own group)

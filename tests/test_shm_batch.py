@@ -159,12 +159,28 @@ def test_a_batch_is_all_or_none_and_its_rest_waits_in_the_channel(ctx: Any, tmp_
             rx.close()
 
 
+def _wait_handshakes(tx: Any, monitor: Any, n: int, timeout_s: float = 30.0) -> None:
+    """Until ``n`` peers completed their handshake with ``tx`` (then stop monitoring)."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    try:
+        deadline = time.monotonic() + timeout_s
+        for _ in range(n):
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            assert left_ms > 0 and monitor.poll(left_ms), f"fewer than {n} peers connected"
+            recv_monitor_message(monitor)
+    finally:
+        tx.socket.disable_monitor()
+        monitor.close(0)
+
+
 def test_a_second_receiver_is_refused_and_the_sender_says_so(ctx: Any, tmp_path: Path) -> None:
     addr = f"ipc://{tmp_path}/two"
     tx = _chan(ctx, "push", "bind", addr, "tworx")
+    handshakes = tx.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
     rxs = [_chan(ctx, "pull", "connect", addr, "tworx") for _ in range(2)]
     try:
-        time.sleep(0.2)  # both connected: PUSH deals to both in turn
+        _wait_handshakes(tx, handshakes, 2)  # both connected: PUSH deals to both in turn
         for i in range(6):
             tx.send(encode_message(MsgType.EVENTS, {"i": i}, [np.full(50 * KB, i, np.uint8)]))
         got: dict[int, list[Any]] = {0: [], 1: []}
@@ -195,9 +211,10 @@ def test_a_second_receiver_gets_messages_without_chunks_but_never_moves_claimed(
     nothing in the region, so the sender never takes back chunks on their way to it."""
     addr = f"ipc://{tmp_path}/two"
     tx = _chan(ctx, "push", "bind", addr, "tworxcopy")
+    handshakes = tx.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
     rxs = [_chan(ctx, "pull", "connect", addr, "tworxcopy") for _ in range(2)]
     try:
-        time.sleep(0.2)  # both connected: PUSH deals to both in turn
+        _wait_handshakes(tx, handshakes, 2)  # both connected: PUSH deals to both in turn
         for i in range(6):  # send sequences 1 to 6: one per message, no chunk
             tx.send(encode_message(MsgType.EVENTS, {"i": i}, [b"x" * 100]))
         assert tx._region is not None

@@ -242,6 +242,51 @@ def test_curve_keys_encrypt_and_refuse_an_unknown_host(farm, tmp_path) -> None:
     assert farm.hosts["h3"].netns_inode() not in netns_of(tmp_path / "refused.evr")
 
 
+def test_curve_run_from_a_farm_host_that_is_also_in_the_hosts_file(farm, tmp_path) -> None:
+    """The controller on h1, h1 also a host of the run (a farm's first node): with keys,
+    every uid once. Then h3's public key is gone: one line names h3 as refused and the
+    run completes on h1 and h2 (issue 23: every socket was refused, the run hung)."""
+    from evflow.transport.curve import create_keys
+
+    create_keys(tmp_path / "keys", ["controller", "h1", "h2", "h3"])
+    run = Run(farm, tmp_path)
+    expected = run.sequential("toy", 600, "seq.evr")
+    keys = ["--keys", str(tmp_path / "keys")]
+
+    def on_h1(out: str) -> subprocess.Popen[str]:
+        argv = run.argv("toy", 600, 0.5, out, "-p", "1", "--hosts", str(run.hosts),
+                        "--launcher", "ssh", *keys)  # fmt: skip
+        pipe = subprocess.PIPE
+        proc = farm.popen(
+            "h1", argv, env=run.env, cwd=tmp_path, stdout=pipe, stderr=pipe, text=True
+        )
+        return proc  # type: ignore[return-value]
+
+    code, _, err = finish(on_h1("farm.evr"))
+    assert code == 0, err
+    assert read_events(tmp_path / "farm.evr") == expected
+    assert "CURVE refused" not in err, err
+    (tmp_path / "keys" / "h3.key").unlink()
+    for marker in tmp_path.glob("ran-*"):
+        marker.unlink()
+    code, _, err = finish(on_h1("refused.evr"))
+    assert code == 0, err
+    assert read_events(tmp_path / "refused.evr") == expected
+    refused = [ln for ln in err.splitlines() if "host 'h3'" in ln and "refused" in ln]
+    assert len(refused) == 1, err
+    assert "h3.key" in refused[0], refused
+    assert farm.hosts["h3"].netns_inode() not in netns_of(tmp_path / "refused.evr")
+    # from outside the farm, with no host's public key: no host can connect, and the
+    # run ends at once with one line naming each host and its key
+    for name in ("h1", "h2"):
+        (tmp_path / "keys" / f"{name}.key").unlink()
+    run.env["EVFLOW_CURVE_KEYS"] = str(tmp_path / "keys")
+    code, _, err = finish(run.remote("toy", 600, 0.5, "none.evr"), 30.0)
+    assert code != 0, err
+    last = err.strip().splitlines()[-1]
+    assert all(f"host {h!r} refused" in last and f"{h}.key" in last for h in farm.hosts), err
+
+
 CHAOS = """
 import sys
 import evflow

@@ -26,6 +26,7 @@ from evflow.transport.farmkeys import (
     ENV_HOST,
     ENV_HOSTS_FILE,
     ENV_KEYS,
+    key_names,
 )
 
 __all__ = ["BusRefusals", "FarmSecurity", "farm_security", "spans_hosts", "tcp_only_binds"]
@@ -46,6 +47,8 @@ class FarmSecurity:
     keys_dir: Path
     hosts_file: Path
     controller_addresses: list[str] = field(default_factory=list)
+    #: host name -> address, for the key policy (farmkeys.key_names)
+    addresses: dict[str, str] = field(default_factory=dict)
 
     def agent_env(self, host: str) -> dict[str, str]:
         """What an agent (and every device it forks) needs for CURVE on tcp."""
@@ -57,8 +60,14 @@ class FarmSecurity:
         }
 
     def apply_to_controller(self) -> None:
-        """The controller's own process (and its bus proxy, forked later) use the keys."""
-        os.environ.update(self.agent_env(CONTROLLER_KEY))
+        """The controller's own process (and its bus proxy, forked later) use the keys:
+        its own pair, or a host's when it runs on that host (farmkeys.key_names)."""
+        me, _ = key_names(self.addresses, self.controller_addresses)
+        if me != CONTROLLER_KEY:
+            from evflow.transport.curve import KeyRing
+
+            KeyRing(self.keys_dir).server_options(me)  # one error if its secret is not here
+        os.environ.update(self.agent_env(me))
 
     def host_of(self, address: str, hosts: dict[str, HostSpec]) -> str | None:
         """The host name whose address is ``address`` (``ip`` or ``ip:port``)."""
@@ -159,7 +168,8 @@ def farm_security(
     for path in local_secrets:
         if path.is_file():
             check_secret_permissions(path)
-    return FarmSecurity(directory, Path(hosts_file).absolute())
+    addresses = {h.name: h.address for h in hosts.values()}
+    return FarmSecurity(directory, Path(hosts_file).absolute(), addresses=addresses)
 
 
 class BusRefusals:

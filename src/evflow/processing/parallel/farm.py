@@ -39,6 +39,7 @@ from evflow.processing.parallel.engine import Parent
 from evflow.processing.parallel.farmplan import curve_keys, plan_hosts
 from evflow.processing.parallel.notices import say, stopping_line
 from evflow.processing.parallel.split import SplitPath
+from evflow.transport.farmkeys import ENV_CONTROLLER, ENV_HOST, ENV_HOSTS_FILE, ENV_KEYS, key_names
 from evflow.wire.messages import MsgType, encode_message
 
 #: default silence (s) after which a host counts as lost (the issue's bound: <= 2 s)
@@ -66,6 +67,7 @@ class _Host:
         self.ever_up = False  # heard at least once
         self.retry = False  # lost or its start failed: started again every rejoin_s
         self.told = ""  # the last start error said on stderr
+        self.refused = ""  # why the run's CURVE keys refused its agent: out of the run
         self.agent = spec.name  # its agent's name: a restarted agent gets NAME.N
 
     def next_agent(self) -> str:
@@ -107,8 +109,9 @@ class FarmParent(Parent):
         self._next_beat = 0.0
         self._last_tick = time.monotonic()
         self._seq = 0
-        self.curve = curve_keys()
-        if self.curve is None and options.launcher != "local":
+        self.curve: Any = None  # the CURVE options (curve_keys), once our address is known
+        self.key_by_address: dict[str, str] = {}
+        if not os.environ.get(ENV_KEYS) and options.launcher != "local":
             names = ", ".join(self.farm)
             if not options.insecure:
                 make = "evflow keys DIR --names controller " + " ".join(self.farm)
@@ -129,6 +132,12 @@ class FarmParent(Parent):
 
         first = next(iter(self.farm.values())).spec.address
         self.address = route_source(first)
+        if os.environ.get(ENV_KEYS):
+            # on a farm host (the first node of an allocation) we share its address, so
+            # its key pair: a peer finds the key by the address it connects to
+            addresses = {n: h.address for n, h in self.hosts_spec.items()}
+            me, self.key_by_address = key_names(addresses, [self.address])
+            self.curve = curve_keys(me)
         tcpwire.BIND_ADDRESS = self.address  # before the zygote forks the roles
         tcpwire.CURVE = self.curve["controller"] if self.curve else None
         restore = self._curve_env() if self.curve else dict
@@ -140,19 +149,20 @@ class FarmParent(Parent):
             restore()
 
     def _curve_env(self) -> Any:
-        """Farm keys for the run's tcp bus too: a hosts file that names this machine
-        (``controller``) beside the hosts, for every process of the run (farmkeys.py)."""
+        """Farm keys for the run's tcp bus too: the hosts' addresses and ours, for every
+        process of the run and its agents (farmkeys.py's key policy)."""
         from evflow.transport.paths import runtime_base_dir
 
-        me = self.curve.me  # type: ignore[union-attr]
-        lines = ["[hosts]", f'{me} = {{ address = "{self.address}" }}']
-        lines += [f'{n} = {{ address = "{h.spec.address}" }}' for n, h in self.farm.items()]
+        me = self.curve.me
+        lines = ["[hosts]"]
+        lines += [f'{n} = {{ address = "{h.address}" }}' for n, h in self.hosts_spec.items()]
         base = runtime_base_dir()
         base.mkdir(parents=True, exist_ok=True)
         self.curve_hosts = base / f".{self.session}.hosts.toml"
         self.curve_hosts.write_text("\n".join(lines) + "\n")
-        saved = {k: os.environ.get(k) for k in ("EVFLOW_HOST", "EVFLOW_HOSTS_FILE")}
-        os.environ.update(EVFLOW_HOST=me, EVFLOW_HOSTS_FILE=str(self.curve_hosts))
+        saved = {k: os.environ.get(k) for k in (ENV_HOST, ENV_HOSTS_FILE, ENV_CONTROLLER)}
+        os.environ.update({ENV_HOST: me, ENV_HOSTS_FILE: str(self.curve_hosts),
+                           ENV_CONTROLLER: self.address})  # fmt: skip
 
         def restore() -> None:
             for key, value in saved.items():
@@ -197,9 +207,10 @@ class FarmParent(Parent):
                 "--controller-lost-s", "4"]  # fmt: skip
         env = {k: os.environ[k] for k in ("EVFLOW_RUNTIME_DIR", "PYTHONPATH") if k in os.environ}
         if self.curve:  # the agent's bus client: a CURVE client with its host's key
-            env["EVFLOW_CURVE_KEYS"] = os.environ["EVFLOW_CURVE_KEYS"]
-            env["EVFLOW_HOST"] = host.spec.name
-            env["EVFLOW_HOSTS_FILE"] = str(self.curve_hosts)
+            env[ENV_KEYS] = os.environ[ENV_KEYS]
+            env[ENV_HOST] = host.spec.name
+            env[ENV_HOSTS_FILE] = str(self.curve_hosts)
+            env[ENV_CONTROLLER] = self.address
         host.spawned, host.alive, host.last_beat_s = False, False, None
 
         name = host.spec.name
@@ -279,6 +290,8 @@ class FarmParent(Parent):
             self._command("heartbeat", "*", {})
         if self.endpoints is None:
             self.endpoints = tcpwire.read_endpoints(self.session)
+        if self.curve:
+            self._check_refusals()
         for name, host in self.farm.items():
             if starved and host.last_beat_s is not None:
                 host.last_beat_s = now
@@ -301,7 +314,34 @@ class FarmParent(Parent):
                 code = entry.get("returncode")
                 self._remote_exit(host, name, code if isinstance(code, int) else -9)
 
+    def _check_refusals(self) -> None:
+        """A host whose agent our bus refused (CURVE) is out of the run, said in one line
+        that names the key at fault; if no host is left, the run ends with that line."""
+        for peer, reason in self.farm_proxy.refusals():
+            address = peer.rsplit(":", 1)[0] if peer.count(":") == 1 else peer
+            name = self.key_by_address.get(address)
+            host = self.farm.get(name or "")
+            if host is None or host.alive or host.refused:
+                continue
+            keys = os.environ.get(ENV_KEYS, "DIR")
+            if "allow-list" in reason:
+                why = (f"its public key {keys}/{name}.key is missing here or does not match "
+                       f"{keys}/{name}.key_secret on {name}")  # fmt: skip
+            else:
+                why = (f"it runs without keys, or its copy of {keys}/{self.curve.me}.key "
+                       "(this host's public key) differs")  # fmt: skip
+            host.refused = (f"host {name!r} refused by the run's CURVE keys (peer {peer}: "
+                            f"{reason}): {why}")  # fmt: skip
+            say(f"evflow: {host.refused}; the run goes on without it")
+            if host.handle is not None:
+                threading.Thread(target=host.handle.terminate, args=(1.0,), daemon=True).start()
+            failed = [h.refused or h.start_error for h in self.farm.values()]
+            if all(failed) and not any(h.ever_up for h in self.farm.values()):
+                self._fail(PeerLostError("; ".join(failed)))
+
     def _tend_host(self, name: str, host: _Host, now: float) -> None:
+        if host.refused:
+            return
         ending = self.hard or self.error is not None or self.aborting_at
         input_done = not self._alive("input")
         if host.alive:
@@ -342,7 +382,8 @@ class FarmParent(Parent):
     def _start_failed(self, name: str, host: _Host, now: float) -> None:
         """A host that cannot be reached: the run goes on with the others (and tries it
         again every rejoin_s); when no host was ever reached, one error names each."""
-        failed = {n: h.start_error for n, h in self.farm.items() if h.start_error}
+        failed = {n: h.start_error or h.refused for n, h in self.farm.items()
+                  if h.start_error or h.refused}  # fmt: skip
         if not any(h.ever_up for h in self.farm.values()) and len(failed) == len(self.farm):
             self._fail(PeerLostError("; ".join(failed.values())))  # each names its host
             return

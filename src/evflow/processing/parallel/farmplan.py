@@ -2,8 +2,8 @@
 
 ``plan_hosts`` reads ``options.hosts`` (a hosts file or a dict) and the counts
 (``workers``, a host's own ``workers``, ``host_workers`` / ``-p h1=2,h2=1``);
-``curve_keys`` reads ``EVFLOW_CURVE_KEYS``: the caller's key pair is ``controller`` (or
-``$EVFLOW_HOST``), each host's is its name.
+``curve_keys`` reads ``EVFLOW_CURVE_KEYS``: the caller's key pair is the one
+``transport.farmkeys.key_names`` gives it, each host's is its name.
 """
 
 from __future__ import annotations
@@ -58,17 +58,16 @@ def plan_hosts(options: ProcessOptions) -> tuple[dict[str, Any], dict[str, int]]
     return hosts, counts
 
 
-def curve_keys() -> dict[str, dict[str, str]] | None:
+def curve_keys(me: str) -> dict[str, dict[str, str]] | None:
     """CURVE options per process kind from ``EVFLOW_CURVE_KEYS`` (None: plain tcp).
 
-    The caller's key pair is ``controller`` (or ``EVFLOW_HOST``), each host's its name."""
+    The caller's key pair is ``me`` (farmkeys.key_names), each host's its name."""
     keys_dir = os.environ.get("EVFLOW_CURVE_KEYS")
     if not keys_dir:
         return None
     from evflow.transport.curve import KeyRing
 
     ring = KeyRing(keys_dir)
-    me = os.environ.get("EVFLOW_HOST") or "controller"
     server = ring.server_options(me)
     out = {"controller": {"secret": server["curveSecretKey"], "allow": server["curveAllow"],
                           "server_key": ring.client_options(me, me)["curveServerKey"]}}  # fmt: skip

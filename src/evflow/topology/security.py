@@ -1,10 +1,12 @@
-"""CURVE for a whole topology: which keys ``evflow up`` uses and what its agents get.
+"""CURVE for a farm: which keys ``evflow up`` and ``evflow run --hosts`` use.
 
-With a key directory (``evflow up --keys DIR`` or ``EVFLOW_CURVE_KEYS=DIR``; made by
-``evflow keys DIR --names controller h1 h2 ...``) the controller's bus proxy is a CURVE
-server with the pair ``DIR/controller``, and every agent is started with the farm-key
-environment (:mod:`evflow.transport.farmkeys`), which its devices inherit: every tcp
-socket, the control bus included, is CURVE. A topology that spans hosts (a remote
+With a key directory (``--keys DIR`` or ``EVFLOW_CURVE_KEYS=DIR``; made by
+``evflow keys DIR --names controller h1 h2 ...``) the controller's sockets (its bus
+proxy; for a path run also the input's and output's tcp sockets) are CURVE servers with
+the pair that :func:`~evflow.transport.farmkeys.key_names` gives it (``controller``, or
+the pair of the host it runs on), and every agent is started with the farm-key
+environment (:mod:`evflow.transport.farmkeys`), which its processes inherit: every tcp
+socket, the control bus included, is CURVE. A farm that spans hosts (a remote
 launcher, or a host that is not a loopback address) without keys starts only with
 ``--insecure``, and then with a warning.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,7 +75,9 @@ class FarmSecurity:
     def host_of(self, address: str, hosts: dict[str, HostSpec]) -> str | None:
         """The host name whose address is ``address`` (``ip`` or ``ip:port``)."""
         ip = address.rsplit(":", 1)[0] if address.count(":") == 1 else address
-        return next((h.name for h in hosts.values() if h.address == ip), None)
+        addresses = self.addresses or {h.name: h.address for h in hosts.values()}
+        name = key_names(addresses, self.controller_addresses)[1].get(ip)
+        return name if name in hosts else None
 
 
 def tcp_only_binds(topology: Any) -> None:
@@ -94,11 +99,16 @@ def farm_security(
     hosts_file: str,
     keys_dir: str | None,
     insecure: bool,
+    what: str = "",
+    warn: Callable[[str], None] | None = None,
+    hosts_keys: bool = True,
 ) -> FarmSecurity | None:
-    """Check the keys for ``hosts`` (the hosts the topology uses); None = plaintext.
+    """Check the keys for ``hosts`` (the hosts the farm uses); None = plaintext.
 
     One error naming the missing or unsafe file and the fix; plaintext across hosts
-    only with ``insecure`` (then a warning).
+    only with ``insecure`` (then a warning, to ``warn`` if given). ``what`` names the
+    farm in messages (default: the topology); ``hosts_keys=False`` leaves a host without
+    a public key to be refused when it connects (a path run goes on without it).
     """
     from evflow.transport.curve import (
         PUBLIC_SUFFIX,
@@ -110,21 +120,20 @@ def farm_security(
     keys_dir = keys_dir or os.environ.get(ENV_KEYS) or None
     names = sorted(hosts)
     fix = f"evflow keys DIR --names {CONTROLLER_KEY} {' '.join(names)}"
+    what = what or f"topology {topology_name!r}"
     if keys_dir is None:
         if not spans_hosts(launcher, hosts):
             return None
         if not insecure:
             raise ConfigurationError(
-                f"topology {topology_name!r} spans hosts {', '.join(names)} (launcher "
+                f"{what} spans hosts {', '.join(names)} (launcher "
                 f"{launcher}) but no CURVE keys are configured, so every tcp socket would be "
                 f"plaintext: make keys with '{fix}' and pass '--keys DIR' (or set {ENV_KEYS}"
                 "=DIR), or accept plaintext with --insecure"
             )
-        log.warning(
-            "--insecure: topology %r spans hosts %s with plaintext tcp (no CURVE keys); "
-            "anyone on the network can read and inject messages and bus commands",
-            topology_name,
-            ", ".join(names),
+        (warn or log.warning)(
+            f"--insecure: {what} spans hosts {', '.join(names)} with plaintext tcp (no CURVE "
+            "keys); anyone on the network can read and inject messages and bus commands"
         )
         return None
     require_curve()
@@ -157,7 +166,7 @@ def farm_security(
             f"(make it with: {make})"
         )
     check_secret_permissions(secret)
-    for name in [CONTROLLER_KEY, *names]:
+    for name in [CONTROLLER_KEY, *(names if hosts_keys else [])]:
         public = directory / f"{name}{PUBLIC_SUFFIX}"
         if not public.is_file():
             raise ConfigurationError(

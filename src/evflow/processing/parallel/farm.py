@@ -36,9 +36,10 @@ from evflow.errors import ConfigurationError, PeerLostError
 from evflow.processing.options import ProcessOptions
 from evflow.processing.parallel import scoreboard, tcpwire
 from evflow.processing.parallel.engine import Parent
-from evflow.processing.parallel.farmplan import curve_keys, plan_hosts
+from evflow.processing.parallel.farmplan import plan_hosts
 from evflow.processing.parallel.notices import say, stopping_line
 from evflow.processing.parallel.split import SplitPath
+from evflow.topology.security import farm_security
 from evflow.transport.farmkeys import ENV_CONTROLLER, ENV_HOST, ENV_HOSTS_FILE, ENV_KEYS, key_names
 from evflow.wire.messages import MsgType, encode_message
 
@@ -109,22 +110,20 @@ class FarmParent(Parent):
         self._next_beat = 0.0
         self._last_tick = time.monotonic()
         self._seq = 0
-        self.curve: Any = None  # the CURVE options (curve_keys), once our address is known
+        # the one key policy of `evflow up` too (topology/security.py): keys, or plaintext
+        # across hosts only with --insecure; a host without a public key is refused
+        # when it connects, and the run goes on without it
+        self.hosts_written = isinstance(options.hosts, dict)  # hosts={...}: a file at start
+        self.curve = farm_security(
+            topology_name="", launcher=options.launcher,
+            hosts={n: self.hosts_spec[n] for n in self.farm},
+            hosts_file="hosts=" if self.hosts_written else str(options.hosts),
+            keys_dir=None, insecure=options.insecure, what="the path run",
+            warn=lambda text: print(f"evflow: warning: {text}", file=sys.stderr),
+            hosts_keys=False,
+        )  # fmt: skip
         self.key_by_address: dict[str, str] = {}
-        if not os.environ.get(ENV_KEYS) and options.launcher != "local":
-            names = ", ".join(self.farm)
-            if not options.insecure:
-                make = "evflow keys DIR --names controller " + " ".join(self.farm)
-                raise ConfigurationError(
-                    f"the workers on hosts {names} would get the run's events over plaintext "
-                    f"tcp: make CURVE keys ({make}) and pass --keys DIR, or pass --insecure "
-                    "on a trusted network"
-                )
-            print(
-                f"evflow: warning: --insecure: events and results to hosts {names} go over "
-                "plaintext tcp",
-                file=sys.stderr,
-            )
+        self.me = ""  # our key pair's name
 
     # --- life cycle ---------------------------------------------------------------------
     def run(self) -> Any:
@@ -132,37 +131,33 @@ class FarmParent(Parent):
 
         first = next(iter(self.farm.values())).spec.address
         self.address = route_source(first)
-        if os.environ.get(ENV_KEYS):
-            # on a farm host (the first node of an allocation) we share its address, so
-            # its key pair: a peer finds the key by the address it connects to
-            addresses = {n: h.address for n, h in self.hosts_spec.items()}
-            me, self.key_by_address = key_names(addresses, [self.address])
-            self.curve = curve_keys(me)
-        tcpwire.BIND_ADDRESS = self.address  # before the zygote forks the roles
-        tcpwire.CURVE = self.curve["controller"] if self.curve else None
         restore = self._curve_env() if self.curve else dict
+        tcpwire.BIND_ADDRESS = self.address  # before the zygote forks the roles
         try:
             return super().run()
         finally:
             tcpwire.BIND_ADDRESS = None
-            tcpwire.CURVE = None
             restore()
 
     def _curve_env(self) -> Any:
-        """Farm keys for the run's tcp bus too: the hosts' addresses and ours, for every
-        process of the run and its agents (farmkeys.py's key policy)."""
-        from evflow.transport.paths import runtime_base_dir
+        """The farm keys in our environment for the run (every role inherits them):
+        our pair is the one the key policy gives our address (farmkeys.key_names)."""
+        assert self.curve is not None
+        self.curve.addresses = {n: h.address for n, h in self.hosts_spec.items()}
+        self.curve.controller_addresses = [self.address]
+        self.me, self.key_by_address = key_names(self.curve.addresses, [self.address])
+        written = None
+        if self.hosts_written:  # hosts= given as a dict: its addresses go to a file
+            from evflow.transport.paths import runtime_base_dir
 
-        me = self.curve.me
-        lines = ["[hosts]"]
-        lines += [f'{n} = {{ address = "{h.address}" }}' for n, h in self.hosts_spec.items()]
-        base = runtime_base_dir()
-        base.mkdir(parents=True, exist_ok=True)
-        self.curve_hosts = base / f".{self.session}.hosts.toml"
-        self.curve_hosts.write_text("\n".join(lines) + "\n")
-        saved = {k: os.environ.get(k) for k in (ENV_HOST, ENV_HOSTS_FILE, ENV_CONTROLLER)}
-        os.environ.update({ENV_HOST: me, ENV_HOSTS_FILE: str(self.curve_hosts),
-                           ENV_CONTROLLER: self.address})  # fmt: skip
+            lines = ["[hosts]"]
+            lines += [f'{n} = {{ address = "{a}" }}' for n, a in self.curve.addresses.items()]
+            base = runtime_base_dir()
+            base.mkdir(parents=True, exist_ok=True)
+            written = self.curve.hosts_file = base / f".{self.session}.hosts.toml"
+            written.write_text("\n".join(lines) + "\n")
+        saved = {k: os.environ.get(k) for k in (ENV_KEYS, ENV_HOST, ENV_HOSTS_FILE, ENV_CONTROLLER)}
+        self.curve.apply_to_controller()
 
         def restore() -> None:
             for key, value in saved.items():
@@ -170,7 +165,8 @@ class FarmParent(Parent):
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
-            self.curve_hosts.unlink(missing_ok=True)
+            if written is not None:
+                written.unlink(missing_ok=True)
 
         return restore
 
@@ -206,11 +202,8 @@ class FarmParent(Parent):
                 "--steering-argv", json.dumps(sys.argv[1:]), "--cwd", os.getcwd(),
                 "--controller-lost-s", "4"]  # fmt: skip
         env = {k: os.environ[k] for k in ("EVFLOW_RUNTIME_DIR", "PYTHONPATH") if k in os.environ}
-        if self.curve:  # the agent's bus client: a CURVE client with its host's key
-            env[ENV_KEYS] = os.environ[ENV_KEYS]
-            env[ENV_HOST] = host.spec.name
-            env[ENV_HOSTS_FILE] = str(self.curve_hosts)
-            env[ENV_CONTROLLER] = self.address
+        if self.curve:  # the agent and its workers: CURVE clients with their host's key
+            env.update(self.curve.agent_env(host.spec.name))
         host.spawned, host.alive, host.last_beat_s = False, False, None
 
         name = host.spec.name
@@ -328,7 +321,7 @@ class FarmParent(Parent):
                 why = (f"its public key {keys}/{name}.key is missing here or does not match "
                        f"{keys}/{name}.key_secret on {name}")  # fmt: skip
             else:
-                why = (f"it runs without keys, or its copy of {keys}/{self.curve.me}.key "
+                why = (f"it runs without keys, or its copy of {keys}/{self.me}.key "
                        "(this host's public key) differs")  # fmt: skip
             host.refused = (f"host {name!r} refused by the run's CURVE keys (peer {peer}: "
                             f"{reason}): {why}")  # fmt: skip
@@ -405,8 +398,7 @@ class FarmParent(Parent):
             host.workers[worker] = 0
             self.host_of[worker] = host.spec.name
         args = {"workers": names, "endpoints": self.endpoints,
-                "event_buffer": self.options.event_buffer,
-                "curve": self.curve.get(host.spec.name) if self.curve else None}  # fmt: skip
+                "event_buffer": self.options.event_buffer}  # fmt: skip
         self._command("spawn-workers", f"agent.{host.agent}", args)
 
     def _say_stopping(self) -> None:

@@ -284,7 +284,8 @@ def test_curve_run_from_a_farm_host_that_is_also_in_the_hosts_file(farm, tmp_pat
     code, _, err = finish(run.remote("toy", 600, 0.5, "none.evr"), 30.0)
     assert code != 0, err
     last = err.strip().splitlines()[-1]
-    assert all(f"host {h!r} refused" in last and f"{h}.key" in last for h in farm.hosts), err
+    assert all(f"host {h!r}: its agent was refused" in last for h in farm.hosts), err
+    assert all(f"keys/{h}.key" in last for h in farm.hosts), err
 
 
 CHAOS = """

@@ -32,7 +32,14 @@ from evflow.transport.farmkeys import (
     key_names,
 )
 
-__all__ = ["BusRefusals", "FarmSecurity", "farm_security", "spans_hosts", "tcp_only_binds"]
+__all__ = [
+    "BusRefusals",
+    "FarmSecurity",
+    "farm_security",
+    "refusal_line",
+    "spans_hosts",
+    "tcp_only_binds",
+]
 
 log = logging.getLogger("evflow.topology")
 _LOOPBACK = ("127.", "localhost", "::1")
@@ -181,6 +188,16 @@ def farm_security(
     return FarmSecurity(directory, Path(hosts_file).absolute(), addresses=addresses)
 
 
+def refusal_line(host: str, peer: str, reason: str, keys: Path | str) -> str:
+    """One line for an agent the control bus refused (CURVE): the host, the key files."""
+    return (
+        f"host {host!r}: its agent was refused by the control bus (CURVE, peer {peer}: "
+        f"{reason}): the key pair it uses ({keys}/{host}.key_secret on {host}) does not "
+        f"match {keys}/{host}.key; make a new pair with 'evflow keys DIR --names {host}' "
+        f"and copy both files to the same place on {host}"
+    )
+
+
 class BusRefusals:
     """While agents start: ask the bus proxy for CURVE refusals, so that an agent with
     a wrong key is one error naming its host and key file, not a start-up time-out."""
@@ -211,13 +228,7 @@ class BusRefusals:
         security: FarmSecurity = self.ctrl.security
         host = security.host_of(peer, self.ctrl.topology.hosts)
         if host in missing:
-            keys = security.keys_dir
-            raise ConfigurationError(
-                f"host {host!r}: its agent was refused by the control bus (CURVE, peer "
-                f"{peer}: {reason}): the key pair it uses ({keys}/{host}.key_secret on "
-                f"{host}) does not match {keys}/{host}.key; make a new pair with 'evflow "
-                f"keys DIR --names {host}' and copy both files to the same place on {host}"
-            )
+            raise ConfigurationError(refusal_line(host, peer, reason, security.keys_dir))
         if peer not in self._told:
             self._told.add(peer)
             log.warning("control bus: CURVE refused peer %s (%s): no agent of ours", peer, reason)

@@ -39,7 +39,7 @@ from evflow.processing.parallel.engine import Parent
 from evflow.processing.parallel.farmplan import plan_hosts
 from evflow.processing.parallel.notices import say, stopping_line
 from evflow.processing.parallel.split import SplitPath
-from evflow.topology.security import farm_security
+from evflow.topology.security import farm_security, refusal_line
 from evflow.transport.farmkeys import ENV_CONTROLLER, ENV_HOST, ENV_HOSTS_FILE, ENV_KEYS, key_names
 from evflow.wire.messages import MsgType, encode_message
 
@@ -123,7 +123,6 @@ class FarmParent(Parent):
             hosts_keys=False,
         )  # fmt: skip
         self.key_by_address: dict[str, str] = {}
-        self.me = ""  # our key pair's name
 
     # --- life cycle ---------------------------------------------------------------------
     def run(self) -> Any:
@@ -145,7 +144,7 @@ class FarmParent(Parent):
         assert self.curve is not None
         self.curve.addresses = {n: h.address for n, h in self.hosts_spec.items()}
         self.curve.controller_addresses = [self.address]
-        self.me, self.key_by_address = key_names(self.curve.addresses, [self.address])
+        _, self.key_by_address = key_names(self.curve.addresses, [self.address])
         written = None
         if self.hosts_written:  # hosts= given as a dict: its addresses go to a file
             from evflow.transport.paths import runtime_base_dir
@@ -316,15 +315,8 @@ class FarmParent(Parent):
             host = self.farm.get(name or "")
             if host is None or host.alive or host.refused:
                 continue
-            keys = os.environ.get(ENV_KEYS, "DIR")
-            if "allow-list" in reason:
-                why = (f"its public key {keys}/{name}.key is missing here or does not match "
-                       f"{keys}/{name}.key_secret on {name}")  # fmt: skip
-            else:
-                why = (f"it runs without keys, or its copy of {keys}/{self.me}.key "
-                       "(this host's public key) differs")  # fmt: skip
-            host.refused = (f"host {name!r} refused by the run's CURVE keys (peer {peer}: "
-                            f"{reason}): {why}")  # fmt: skip
+            assert self.curve is not None
+            host.refused = refusal_line(host.spec.name, peer, reason, self.curve.keys_dir)
             say(f"evflow: {host.refused}; the run goes on without it")
             if host.handle is not None:
                 threading.Thread(target=host.handle.terminate, args=(1.0,), daemon=True).start()

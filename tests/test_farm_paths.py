@@ -342,3 +342,16 @@ def test_chaos_20000_events_over_three_hosts_every_uid_exactly_once(farm, tmp_pa
     assert "3 quarantined" in stdout
     assert counter(stdout, "timeouts") >= 1  # hung events were killed through their agents
     assert counter(stdout, "hosts lost") == 1
+
+
+def test_a_bus_address_the_hosts_cannot_reach_is_one_error_not_a_hang(farm, tmp_path) -> None:
+    """h2 reached by ssh, but named by a loopback address: its agent never reaches the
+    run's bus (bound there). The run ends in seconds with one line naming the address."""
+    run = Run(farm, tmp_path)
+    h2 = farm.hosts["h2"].address
+    run.hosts.write_text(f'[hosts]\nh2 = {{ address = "127.0.0.1", ssh = "root@{h2}" }}\n')
+    code, _, err = finish(run.remote("toy", 100, 0.0, "farm.evr"), 60.0)
+    assert code == 1, err
+    errors = [ln for ln in err.splitlines() if ln.startswith("evflow: error:")]
+    assert len(errors) == 1, err
+    assert "host 'h2'" in errors[0] and "127.0.0.1" in errors[0] and "reachable" in errors[0]

@@ -350,8 +350,12 @@ class FarmParent(Parent):
         if code is not None and not starting and not host.retry and not ending:
             # started but ended before we heard it once: never in the pool, so not "lost";
             # unnoticed, the host would be left out for good (and a run of one would wait)
+            # an agent that never hears the run's bus stops after --controller-lost-s
+            hint = "" if code < 0 else (
+                f" (did it reach the run's bus at {self.address}? is that address "
+                f"reachable from {name}?)")  # fmt: skip
             host.start_error = host.start_error or (
-                f"host {name!r}: its agent ended (code {code}) before it answered"
+                f"host {name!r}: its agent ended (code {code}) before it answered{hint}"
             )
         if host.start_error and not starting:
             self._start_failed(name, host, now)

@@ -242,6 +242,52 @@ def test_curve_keys_encrypt_and_refuse_an_unknown_host(farm, tmp_path) -> None:
     assert farm.hosts["h3"].netns_inode() not in netns_of(tmp_path / "refused.evr")
 
 
+def test_curve_run_from_a_farm_host_that_is_also_in_the_hosts_file(farm, tmp_path) -> None:
+    """The controller on h1, h1 also a host of the run (a farm's first node): with keys,
+    every uid once. Then h3's public key is gone: one line names h3 as refused and the
+    run completes on h1 and h2 (issue 23: every socket was refused, the run hung)."""
+    from evflow.transport.curve import create_keys
+
+    create_keys(tmp_path / "keys", ["controller", "h1", "h2", "h3"])
+    run = Run(farm, tmp_path)
+    expected = run.sequential("toy", 600, "seq.evr")
+    keys = ["--keys", str(tmp_path / "keys")]
+
+    def on_h1(out: str) -> subprocess.Popen[str]:
+        argv = run.argv("toy", 600, 0.5, out, "-p", "1", "--hosts", str(run.hosts),
+                        "--launcher", "ssh", *keys)  # fmt: skip
+        pipe = subprocess.PIPE
+        proc = farm.popen(
+            "h1", argv, env=run.env, cwd=tmp_path, stdout=pipe, stderr=pipe, text=True
+        )
+        return proc  # type: ignore[return-value]
+
+    code, _, err = finish(on_h1("farm.evr"))
+    assert code == 0, err
+    assert read_events(tmp_path / "farm.evr") == expected
+    assert "CURVE refused" not in err, err
+    (tmp_path / "keys" / "h3.key").unlink()
+    for marker in tmp_path.glob("ran-*"):
+        marker.unlink()
+    code, _, err = finish(on_h1("refused.evr"))
+    assert code == 0, err
+    assert read_events(tmp_path / "refused.evr") == expected
+    refused = [ln for ln in err.splitlines() if "host 'h3'" in ln and "refused" in ln]
+    assert len(refused) == 1, err
+    assert "h3.key" in refused[0], refused
+    assert farm.hosts["h3"].netns_inode() not in netns_of(tmp_path / "refused.evr")
+    # from outside the farm, with no host's public key: no host can connect, and the
+    # run ends at once with one line naming each host and its key
+    for name in ("h1", "h2"):
+        (tmp_path / "keys" / f"{name}.key").unlink()
+    run.env["EVFLOW_CURVE_KEYS"] = str(tmp_path / "keys")
+    code, _, err = finish(run.remote("toy", 600, 0.5, "none.evr"), 30.0)
+    assert code != 0, err
+    last = err.strip().splitlines()[-1]
+    assert all(f"host {h!r}: its agent was refused" in last for h in farm.hosts), err
+    assert all(f"keys/{h}.key" in last for h in farm.hosts), err
+
+
 CHAOS = """
 import sys
 import evflow
@@ -296,3 +342,16 @@ def test_chaos_20000_events_over_three_hosts_every_uid_exactly_once(farm, tmp_pa
     assert "3 quarantined" in stdout
     assert counter(stdout, "timeouts") >= 1  # hung events were killed through their agents
     assert counter(stdout, "hosts lost") == 1
+
+
+def test_a_bus_address_the_hosts_cannot_reach_is_one_error_not_a_hang(farm, tmp_path) -> None:
+    """h2 reached by ssh, but named by a loopback address: its agent never reaches the
+    run's bus (bound there). The run ends in seconds with one line naming the address."""
+    run = Run(farm, tmp_path)
+    h2 = farm.hosts["h2"].address
+    run.hosts.write_text(f'[hosts]\nh2 = {{ address = "127.0.0.1", ssh = "root@{h2}" }}\n')
+    code, _, err = finish(run.remote("toy", 100, 0.0, "farm.evr"), 60.0)
+    assert code == 1, err
+    errors = [ln for ln in err.splitlines() if ln.startswith("evflow: error:")]
+    assert len(errors) == 1, err
+    assert "host 'h2'" in errors[0] and "127.0.0.1" in errors[0] and "reachable" in errors[0]

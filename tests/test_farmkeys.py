@@ -104,3 +104,15 @@ def test_incomplete_environment_is_one_error(
     monkeypatch.setenv("EVFLOW_HOST", "h7")
     with pytest.raises(ConfigurationError, match="'h7' is not a host"):
         _open(ctx, "name=data,type=pull,method=bind,address=tcp://127.0.0.1:0")
+
+
+def test_a_controller_on_a_farm_host_uses_that_hosts_key() -> None:
+    """One address, one key pair: the controller at h1's address is found as h1 by
+    every peer, so it must serve with h1's pair (issue 23: every socket was refused)."""
+    from evflow.transport.farmkeys import key_names
+
+    hosts = {"h1": "10.9.0.1", "h2": "10.9.0.2"}
+    me, by_address = key_names(hosts, ["10.9.0.1"])
+    assert me == "h1" and by_address == {"10.9.0.1": "h1", "10.9.0.2": "h2"}
+    me, by_address = key_names(hosts, ["10.9.0.254"])
+    assert me == "controller" and by_address["10.9.0.254"] == "controller"

@@ -219,10 +219,7 @@ class BusProxy:
                     "subscribe_endpoints": [e for ch in self._xpubs for e in ch.endpoints],
                     # CURVE refusals on the tcp side (a farm's agents with a wrong key)
                     "refusals": [
-                        {"peer": peer, "reason": reason}
-                        for ch in self._xsubs + self._xpubs
-                        if ch.security is not None
-                        for peer, reason in ch.security.refused_peers
+                        {"peer": peer, "reason": reason} for peer, reason in self.refusals()
                     ],
                 },
             )
@@ -236,6 +233,15 @@ class BusProxy:
         }
         for xpub in self._xpubs:
             xpub.send(encode_message(MsgType.REPLY, reply))
+
+    def refusals(self) -> list[tuple[str, str]]:
+        """The first CURVE refusals (peer, reason) on the tcp side (bad keys, plaintext)."""
+        return [
+            refusal
+            for ch in self._xsubs + self._xpubs
+            if ch.security is not None
+            for refusal in list(ch.security.refused_peers)
+        ]
 
     def start_thread(self) -> threading.Thread:
         """Run the proxy in a daemon thread; :meth:`close` stops and joins it."""

@@ -11,8 +11,9 @@ loaded, exactly as on one host.
 Commands (on the agent's bus, from the run's caller):
 
 - ``spawn-workers {workers: [names], endpoints: {events, results, ctl}, event_buffer,
-  session, curve}`` forks each worker (never restarted here: the caller decides a
-  replacement, with a new name, after telling the input WORKER_LOST);
+  session}`` forks each worker (never restarted here: the caller decides a
+  replacement, with a new name, after telling the input WORKER_LOST); with keys, its
+  tcp sockets are CURVE through the farm keys of the agent's environment;
 - ``kill-worker {name}``: SIGKILL (the input's event timeout).
 
 A worker's exit is in the agent's next heartbeat (sent at once on an exit).
@@ -59,14 +60,12 @@ def remote_worker(
     name: str,
     event_buffer: int,
     endpoints: dict[str, str],
-    curve: dict[str, str] | None,
 ) -> int:
     """A worker forked by the agent: the engine's worker, its channels over tcp."""
     from evflow.processing.parallel import tcpwire
     from evflow.processing.parallel.worker import worker_main
 
-    tcpwire.CONNECT = dict(endpoints)
-    tcpwire.CURVE = curve
+    tcpwire.CONNECT = dict(endpoints)  # CURVE: the farm keys of the agent's environment
     return worker_main(session, name, event_buffer)
 
 
@@ -84,7 +83,6 @@ class PathWorkers:
         for key in ("events", "results", "ctl"):
             if not str(endpoints.get(key, "")).startswith("tcp://"):
                 raise ConfigurationError(f"spawn-workers: endpoint {key!r} is not tcp")
-        curve = args.get("curve") if isinstance(args.get("curve"), dict) else None
         buffer = int(args.get("event_buffer", 4))
         sup = self.agent.sup
         pids = {}
@@ -100,7 +98,6 @@ class PathWorkers:
                 name,
                 buffer,
                 {k: str(endpoints[k]) for k in ("events", "results", "ctl")},
-                curve,
                 restart="never",
                 grace_s=1.0,
             )

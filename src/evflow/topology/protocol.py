@@ -55,7 +55,7 @@ CONNECT_TIMEOUT_S = 20.0
 
 #: imported before a zygote forks when the farm uses CURVE keys (pyzmq's auth and
 #: socket monitor, and through them asyncio: lazy in evflow.transport.curve)
-CURVE_PRELOAD = ("zmq.auth", "zmq.utils.monitor", "evflow.transport._zap")
+CURVE_PRELOAD = ("zmq.auth", "zmq.utils.monitor", "evflow.transport.curve")
 
 #: reserved names a device may not take
 RESERVED_IDS = frozenset({CONTROLLER_ID, "bus"})

@@ -1,10 +1,12 @@
-"""CURVE for a whole topology: which keys ``evflow up`` uses and what its agents get.
+"""CURVE for a farm: which keys ``evflow up`` and ``evflow run --hosts`` use.
 
-With a key directory (``evflow up --keys DIR`` or ``EVFLOW_CURVE_KEYS=DIR``; made by
-``evflow keys DIR --names controller h1 h2 ...``) the controller's bus proxy is a CURVE
-server with the pair ``DIR/controller``, and every agent is started with the farm-key
-environment (:mod:`evflow.transport.farmkeys`), which its devices inherit: every tcp
-socket, the control bus included, is CURVE. A topology that spans hosts (a remote
+With a key directory (``--keys DIR`` or ``EVFLOW_CURVE_KEYS=DIR``; made by
+``evflow keys DIR --names controller h1 h2 ...``) the controller's sockets (its bus
+proxy; for a path run also the input's and output's tcp sockets) are CURVE servers with
+the pair that :func:`~evflow.transport.farmkeys.key_names` gives it (``controller``, or
+the pair of the host it runs on), and every agent is started with the farm-key
+environment (:mod:`evflow.transport.farmkeys`), which its processes inherit: every tcp
+socket, the control bus included, is CURVE. A farm that spans hosts (a remote
 launcher, or a host that is not a loopback address) without keys starts only with
 ``--insecure``, and then with a warning.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,9 +29,17 @@ from evflow.transport.farmkeys import (
     ENV_HOST,
     ENV_HOSTS_FILE,
     ENV_KEYS,
+    key_names,
 )
 
-__all__ = ["BusRefusals", "FarmSecurity", "farm_security", "spans_hosts", "tcp_only_binds"]
+__all__ = [
+    "BusRefusals",
+    "FarmSecurity",
+    "farm_security",
+    "refusal_line",
+    "spans_hosts",
+    "tcp_only_binds",
+]
 
 log = logging.getLogger("evflow.topology")
 _LOOPBACK = ("127.", "localhost", "::1")
@@ -46,6 +57,8 @@ class FarmSecurity:
     keys_dir: Path
     hosts_file: Path
     controller_addresses: list[str] = field(default_factory=list)
+    #: host name -> address, for the key policy (farmkeys.key_names)
+    addresses: dict[str, str] = field(default_factory=dict)
 
     def agent_env(self, host: str) -> dict[str, str]:
         """What an agent (and every device it forks) needs for CURVE on tcp."""
@@ -57,13 +70,21 @@ class FarmSecurity:
         }
 
     def apply_to_controller(self) -> None:
-        """The controller's own process (and its bus proxy, forked later) use the keys."""
-        os.environ.update(self.agent_env(CONTROLLER_KEY))
+        """The controller's own process (and its bus proxy, forked later) use the keys:
+        its own pair, or a host's when it runs on that host (farmkeys.key_names)."""
+        me, _ = key_names(self.addresses, self.controller_addresses)
+        if me != CONTROLLER_KEY:
+            from evflow.transport.curve import KeyRing
+
+            KeyRing(self.keys_dir).server_options(me)  # one error if its secret is not here
+        os.environ.update(self.agent_env(me))
 
     def host_of(self, address: str, hosts: dict[str, HostSpec]) -> str | None:
         """The host name whose address is ``address`` (``ip`` or ``ip:port``)."""
         ip = address.rsplit(":", 1)[0] if address.count(":") == 1 else address
-        return next((h.name for h in hosts.values() if h.address == ip), None)
+        addresses = self.addresses or {h.name: h.address for h in hosts.values()}
+        name = key_names(addresses, self.controller_addresses)[1].get(ip)
+        return name if name in hosts else None
 
 
 def tcp_only_binds(topology: Any) -> None:
@@ -85,11 +106,16 @@ def farm_security(
     hosts_file: str,
     keys_dir: str | None,
     insecure: bool,
+    what: str = "",
+    warn: Callable[[str], None] | None = None,
+    hosts_keys: bool = True,
 ) -> FarmSecurity | None:
-    """Check the keys for ``hosts`` (the hosts the topology uses); None = plaintext.
+    """Check the keys for ``hosts`` (the hosts the farm uses); None = plaintext.
 
     One error naming the missing or unsafe file and the fix; plaintext across hosts
-    only with ``insecure`` (then a warning).
+    only with ``insecure`` (then a warning, to ``warn`` if given). ``what`` names the
+    farm in messages (default: the topology); ``hosts_keys=False`` leaves a host without
+    a public key to be refused when it connects (a path run goes on without it).
     """
     from evflow.transport.curve import (
         PUBLIC_SUFFIX,
@@ -101,21 +127,20 @@ def farm_security(
     keys_dir = keys_dir or os.environ.get(ENV_KEYS) or None
     names = sorted(hosts)
     fix = f"evflow keys DIR --names {CONTROLLER_KEY} {' '.join(names)}"
+    what = what or f"topology {topology_name!r}"
     if keys_dir is None:
         if not spans_hosts(launcher, hosts):
             return None
         if not insecure:
             raise ConfigurationError(
-                f"topology {topology_name!r} spans hosts {', '.join(names)} (launcher "
+                f"{what} spans hosts {', '.join(names)} (launcher "
                 f"{launcher}) but no CURVE keys are configured, so every tcp socket would be "
                 f"plaintext: make keys with '{fix}' and pass '--keys DIR' (or set {ENV_KEYS}"
                 "=DIR), or accept plaintext with --insecure"
             )
-        log.warning(
-            "--insecure: topology %r spans hosts %s with plaintext tcp (no CURVE keys); "
-            "anyone on the network can read and inject messages and bus commands",
-            topology_name,
-            ", ".join(names),
+        (warn or log.warning)(
+            f"--insecure: {what} spans hosts {', '.join(names)} with plaintext tcp (no CURVE "
+            "keys); anyone on the network can read and inject messages and bus commands"
         )
         return None
     require_curve()
@@ -148,7 +173,7 @@ def farm_security(
             f"(make it with: {make})"
         )
     check_secret_permissions(secret)
-    for name in [CONTROLLER_KEY, *names]:
+    for name in [CONTROLLER_KEY, *(names if hosts_keys else [])]:
         public = directory / f"{name}{PUBLIC_SUFFIX}"
         if not public.is_file():
             raise ConfigurationError(
@@ -159,7 +184,18 @@ def farm_security(
     for path in local_secrets:
         if path.is_file():
             check_secret_permissions(path)
-    return FarmSecurity(directory, Path(hosts_file).absolute())
+    addresses = {h.name: h.address for h in hosts.values()}
+    return FarmSecurity(directory, Path(hosts_file).absolute(), addresses=addresses)
+
+
+def refusal_line(host: str, peer: str, reason: str, keys: Path | str) -> str:
+    """One line for an agent the control bus refused (CURVE): the host, the key files."""
+    return (
+        f"host {host!r}: its agent was refused by the control bus (CURVE, peer {peer}: "
+        f"{reason}): the key pair it uses ({keys}/{host}.key_secret on {host}) does not "
+        f"match {keys}/{host}.key; make a new pair with 'evflow keys DIR --names {host}' "
+        f"and copy both files to the same place on {host}"
+    )
 
 
 class BusRefusals:
@@ -192,13 +228,7 @@ class BusRefusals:
         security: FarmSecurity = self.ctrl.security
         host = security.host_of(peer, self.ctrl.topology.hosts)
         if host in missing:
-            keys = security.keys_dir
-            raise ConfigurationError(
-                f"host {host!r}: its agent was refused by the control bus (CURVE, peer "
-                f"{peer}: {reason}): the key pair it uses ({keys}/{host}.key_secret on "
-                f"{host}) does not match {keys}/{host}.key; make a new pair with 'evflow "
-                f"keys DIR --names {host}' and copy both files to the same place on {host}"
-            )
+            raise ConfigurationError(refusal_line(host, peer, reason, security.keys_dir))
         if peer not in self._told:
             self._told.add(peer)
             log.warning("control bus: CURVE refused peer %s (%s): no agent of ours", peer, reason)

@@ -26,14 +26,13 @@ import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import zmq
+import zmq.utils.z85
 
 from evflow.errors import ConfigurationError
-
-if TYPE_CHECKING:
-    from evflow.transport._zap import _Zap
+from evflow.transport.security import CurveAllowList, ZapHandler, zap_handler
 
 log = logging.getLogger("evflow.curve")
 
@@ -135,41 +134,19 @@ def _load(path: Path) -> tuple[bytes, bytes]:
     return _loaded[key]
 
 
-def allowed_keys(directory: str | Path) -> dict[bytes, bool]:
-    """The public keys (``*.key``) in an allow-list directory; refuses an empty one."""
+def allowed_keys(directory: str | Path) -> dict[bytes, str]:
+    """The public keys (``*.key``) in an allow-list directory, each to its file's name
+    (a peer's user id); refuses an empty directory."""
     directory = Path(directory)
     if not directory.is_dir():
         raise ConfigurationError(f"CURVE allow-list {str(directory)!r} is not a directory")
-    keys = {load_public_key(p): True for p in sorted(directory.glob(f"*{PUBLIC_SUFFIX}"))}
+    keys = {  # raw 32-byte keys, as a ZAP request carries them (the files hold Z85)
+        zmq.utils.z85.decode(load_public_key(p)): p.name[: -len(PUBLIC_SUFFIX)]
+        for p in sorted(directory.glob(f"*{PUBLIC_SUFFIX}"))
+    }
     if not keys:
         raise ConfigurationError(f"CURVE allow-list {str(directory)!r} holds no *.key file")
     return keys
-
-
-# --- ZAP: one handler per context, a domain per server channel -----------------------
-_zaps: dict[int, _Zap] = {}
-_zap_lock = threading.Lock()
-
-
-def _zap_for(context: zmq.Context[Any]) -> _Zap:
-    from evflow.transport._zap import _Zap  # pyzmq's auth thread pulls in asyncio
-
-    with _zap_lock:
-        zap = _zaps.get(id(context))
-        if zap is None or zap.context is not context:
-            zap = _Zap(context)
-            zap.start()
-            _zaps[id(context)] = zap
-        zap.users += 1
-        return zap
-
-
-def _release_zap(zap: _Zap) -> None:
-    with _zap_lock:
-        zap.users -= 1
-        if zap.users <= 0:
-            _zaps.pop(id(zap.context), None)
-            zap.stop()
 
 
 # --- per socket ----------------------------------------------------------------------
@@ -202,7 +179,8 @@ class CurveSecurity:
         #: the first refusals (peer, reason), for a controller that asks the bus proxy
         self.refused_peers: list[tuple[str, str]] = []
         self._logged: set[tuple[str, str]] = set()
-        self._zap: _Zap | None = None
+        self._zap: ZapHandler | None = None
+        self._domain = ""
         self._monitor: threading.Thread | None = None
         self._socket: zmq.Socket[Any] | None = None
         self._peers: dict[int, str] = {}
@@ -218,11 +196,12 @@ class CurveSecurity:
         sock.curve_secretkey = self._secret
         if self.options.role == "server":
             sock.curve_server = True
-            domain = f"evflow/{self.label}/{id(self)}"
-            sock.zap_domain = domain.encode()
-            self._zap = _zap_for(context)
-            self._zap.certs[domain] = self._allowed
-            self._zap.guards[domain] = self
+            # the context's one ZAP handler (transport/security.py) checks this domain
+            # against the allow-list; it hands refusals back to refused()
+            self._domain = f"evflow/{self.label}/{id(self)}"
+            sock.zap_domain = self._domain.encode()
+            self._zap = zap_handler(context, self.label)
+            self._zap.add(self._domain, CurveAllowList(self._allowed), self.refused)
         else:
             sock.curve_serverkey = self._server_key
         self._socket = sock
@@ -282,11 +261,8 @@ class CurveSecurity:
             self._monitor.join(2.0)
             self._monitor = None
         if self._zap is not None:
-            for domain, guard in list(self._zap.guards.items()):
-                if guard is self:
-                    del self._zap.guards[domain]
-                    self._zap.certs.pop(domain, None)
-            _release_zap(self._zap)
+            self._zap.remove(self._domain)
+            self._zap.close()
             self._zap = None
 
 

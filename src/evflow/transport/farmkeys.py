@@ -18,6 +18,7 @@ channels stay on their host and are not touched.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,23 @@ ENV_HOSTS_FILE = "EVFLOW_HOSTS_FILE"
 ENV_CONTROLLER = "EVFLOW_CURVE_CONTROLLER"
 CONTROLLER_KEY = "controller"
 _LOOPBACK = ("127.", "localhost", "::1")
+
+
+def key_names(
+    hosts: Mapping[str, str], controller_addresses: Iterable[str]
+) -> tuple[str, dict[str, str]]:
+    """The key policy of a farm: (the controller's key name, key name by address).
+
+    A peer's key is found by the address it is reached at, so one address must mean one
+    key pair. Each host uses its own pair; the controller uses ``controller``, unless it
+    runs on a host of the farm (the first node of an allocation): then it shares that
+    host's address, and so that host's pair.
+    """
+    by_address = {address: name for name, address in hosts.items()}
+    controller = [a for a in controller_addresses if a]
+    me = next((by_address[a] for a in controller if a in by_address), CONTROLLER_KEY)
+    by_address.update({a: me for a in controller})
+    return me, by_address
 
 
 @dataclass(frozen=True)
@@ -99,8 +117,8 @@ def farm_keys() -> FarmKeys | None:
         hosts = load_hosts(Path(hosts_file))
         if host not in hosts and host != CONTROLLER_KEY:
             raise ConfigurationError(f"{ENV_HOST}={host!r} is not a host of {hosts_file}")
-        by_address = {h.address: h.name for h in hosts.values()}
-        by_address.update({a: CONTROLLER_KEY for a in controller.split(",") if a})
+        addresses = {h.name: h.address for h in hosts.values()}
+        _, by_address = key_names(addresses, controller.split(","))
         keys = FarmKeys(KeyRing(keys_dir), host, by_address)
     _cached = (env, keys)
     return keys

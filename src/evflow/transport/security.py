@@ -4,12 +4,14 @@ Every process of a parallel run holds the run's secret (:class:`RunAuth`, made b
 parent and handed to each forked role). A socket that binds is a ZeroMQ PLAIN
 *server*; a socket that connects presents the secret as a PLAIN *client*, under its
 role name as user name. Each process that binds runs one :class:`ZapHandler` (a thread
-on ZeroMQ's ZAP endpoint in its context) which, for every new connection, checks:
+on ZeroMQ's ZAP endpoint in its context, shared by every server socket there: see
+:func:`zap_handler`) which, for every new connection, checks:
 
 - the credentials: PLAIN with the run's secret (compared in constant time) and a user
   name the socket's domain allows (``events``: workers; ``back``: the output; ...);
-  or CURVE with a public key on an allow-list (the hook for tcp across hosts, where
-  the allow-list maps each key to a user name);
+  or, on a CURVE server socket (tcp across hosts, :mod:`evflow.transport.curve`), a
+  client public key on that socket's allow-list (:class:`CurveAllowList`, each key
+  accepted under the name of its key file);
 - the peer process, for ipc: the kernel's credentials of the unix socket (libzmq puts
   ``uid:gid:pid`` in the ZAP address) must show our user id and, when the policy
   names one, a process whose parent is the run's zygote: a process outside the run
@@ -36,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+import zmq.utils.z85
 
 from evflow.errors import ConfigurationError
 
@@ -55,6 +58,7 @@ __all__ = [
     "peer_pid",
     "refused_total",
     "workers_only",
+    "zap_handler",
 ]
 
 log = logging.getLogger("evflow.security")
@@ -160,7 +164,7 @@ class PlainSecret:
 @dataclass(slots=True)
 class CurveAllowList:
     """CURVE: a client public key (32 bytes, raw) on the allow-list is accepted under
-    the user name it maps to. For tcp across hosts (keys from ``evflow keys``)."""
+    the user name it maps to (its key file's name). For tcp across hosts."""
 
     allowed: dict[bytes, str] = field(default_factory=dict)
 
@@ -169,27 +173,44 @@ class CurveAllowList:
             return None, f"wrong mechanism: {req.mechanism} (expected CURVE)"
         user = self.allowed.get(req.credentials[0])
         if user is None:
-            return None, "unknown key: public key not on the allow-list"
+            key = req.credentials[0]
+            z85 = zmq.utils.z85.encode(key).decode() if len(key) == 32 else "none"
+            return None, f"unknown key: client key {z85} not in the allow-list"
         return user, ""
 
 
-class ZapHandler:
-    """A ZAP handler thread in ``ctx``: accepts what one of ``policies`` accepts.
+#: a refusal on one domain goes to its owner (address, reason) instead of the log
+OnRefuse = Callable[[str, str], None]
 
-    ``parent_pid`` (ipc only): the peer process must be a child of it (the run's
-    zygote); our own user id is always required of ipc peers. Start it before any
-    server socket binds (libzmq lets every connection in while no handler listens).
-    ``refused`` counts refusals per reason; the first of each reason is logged.
+
+class ZapHandler:
+    """The ZAP handler thread of ``ctx``: accepts what the socket's domain allows.
+
+    A domain added with :meth:`add` (a CURVE server socket) is checked by its own
+    policy alone; any other domain by ``policies`` (the run's PLAIN secret), the first
+    that accepts. ``parent_pid`` (ipc only): the peer process must be a child of it
+    (the run's zygote); our own user id is always required of ipc peers. Start it
+    before any server socket binds (libzmq lets every connection in while no handler
+    listens). ``refused`` counts refusals per reason; the first of each reason is logged.
+    One per context: :func:`zap_handler` shares it; :meth:`close` when the last user
+    is done.
     """
 
     def __init__(
-        self, ctx: zmq.Context[Any], policies: list[Any], parent_pid: int = 0, where: str = ""
+        self,
+        ctx: zmq.Context[Any],
+        policies: list[Any] | None = None,
+        parent_pid: int = 0,
+        where: str = "",
     ) -> None:
-        self.policies = policies
+        self.context = ctx
+        self.policies = list(policies or [])
         self.parent_pid = parent_pid
         self.where = where
         self.accepted = 0
         self.refused: dict[str, int] = {}
+        self.users = 1
+        self._domains: dict[str, tuple[Any, OnRefuse | None]] = {}
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.linger = 0
         try:
@@ -206,6 +227,8 @@ class ZapHandler:
         self._thread = threading.Thread(target=self._serve, name="evflow-zap", daemon=True)
         self._thread.start()
         _handlers.append(self)
+        with _lock:
+            _by_context[id(ctx)] = self
 
     def _at(self) -> str:
         return f" of {self.where}" if self.where else ""
@@ -213,8 +236,23 @@ class ZapHandler:
     def __repr__(self) -> str:
         return f"<ZapHandler{self._at()} accepted={self.accepted} refused={self.refused}>"
 
+    def add(self, domain: str, policy: Any, on_refuse: OnRefuse | None = None) -> None:
+        """Check ``domain`` (one server socket) with ``policy`` alone; refusals there go
+        to ``on_refuse(address, reason)`` when given (the socket logs them itself)."""
+        self._domains[domain] = (policy, on_refuse)
+
+    def remove(self, domain: str) -> None:
+        self._domains.pop(domain, None)
+
     def close(self) -> None:
-        """Stop the thread and close its sockets (before the context terminates)."""
+        """Leave the handler; the last user stops the thread and closes its sockets
+        (before the context terminates)."""
+        with _lock:
+            self.users -= 1
+            if self.users > 0:
+                return
+            if _by_context.get(id(self.context)) is self:
+                del _by_context[id(self.context)]
         if self in _handlers:
             _handlers.remove(self)
         if not self._thread.is_alive():
@@ -261,7 +299,11 @@ class ZapHandler:
         )
         user, reason = self.check(req)
         if user is None:
-            self._refuse(reason, req)
+            owner = self._domains.get(req.domain, (None, None))[1]
+            if owner is not None:
+                owner(req.address, reason.split(": ", 1)[-1])
+            else:
+                self._refuse(reason, req)
             return [*head, b"1.0", request_id, b"400", reason.encode()[:200], b"", b""]
         self.accepted += 1
         return [*head, b"1.0", request_id, b"200", b"OK", user.encode(), b""]
@@ -283,6 +325,8 @@ class ZapHandler:
                     None,
                     f"not in the run: peer process {pid} is not a child of {self.parent_pid}",
                 )
+        if req.domain in self._domains:
+            return self._domains[req.domain][0].check(req)  # type: ignore[no-any-return]
         reasons = []
         for policy in self.policies:
             user, reason = policy.check(req)
@@ -336,13 +380,30 @@ class RunAuth:
     def handler(
         self, ctx: zmq.Context[Any], where: str, users: dict[str, Callable[[str], bool]]
     ) -> ZapHandler:
-        """A ZAP handler for this run's server sockets in ``ctx`` (``users`` per domain)."""
-        policy = PlainSecret(self.secret, users)
-        return ZapHandler(ctx, [policy], parent_pid=self.zygote_pid, where=where)
+        """The ZAP handler of ``ctx`` with this run's secret (``users`` per domain)."""
+        handler = zap_handler(ctx, where)
+        handler.policies.append(PlainSecret(self.secret, users))
+        handler.parent_pid = self.zygote_pid
+        return handler
 
 
 _current: RunAuth | None = None
 _handlers: list[ZapHandler] = []  # this process's handlers (their refusals are reported)
+_by_context: dict[int, ZapHandler] = {}  # id(context) -> its handler
+_lock = threading.RLock()
+
+
+def zap_handler(ctx: zmq.Context[Any], where: str = "") -> ZapHandler:
+    """The ZAP handler of ``ctx``, started on first use and shared by every server
+    socket there (libzmq has one ZAP endpoint per context); each caller closes it."""
+    with _lock:
+        handler = _by_context.get(id(ctx))
+        if handler is not None and handler.context is ctx and handler.users > 0:
+            handler.users += 1
+            if where and not handler.where:
+                handler.where = where
+            return handler
+        return ZapHandler(ctx, where=where)
 
 
 def install(auth: RunAuth | None) -> None:

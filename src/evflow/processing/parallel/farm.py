@@ -36,9 +36,11 @@ from evflow.errors import ConfigurationError, PeerLostError
 from evflow.processing.options import ProcessOptions
 from evflow.processing.parallel import scoreboard, tcpwire
 from evflow.processing.parallel.engine import Parent
-from evflow.processing.parallel.farmplan import curve_keys, plan_hosts
+from evflow.processing.parallel.farmplan import plan_hosts
 from evflow.processing.parallel.notices import say, stopping_line
 from evflow.processing.parallel.split import SplitPath
+from evflow.topology.security import farm_security, refusal_line
+from evflow.transport.farmkeys import ENV_CONTROLLER, ENV_HOST, ENV_HOSTS_FILE, ENV_KEYS, key_names
 from evflow.wire.messages import MsgType, encode_message
 
 #: default silence (s) after which a host counts as lost (the issue's bound: <= 2 s)
@@ -66,6 +68,7 @@ class _Host:
         self.ever_up = False  # heard at least once
         self.retry = False  # lost or its start failed: started again every rejoin_s
         self.told = ""  # the last start error said on stderr
+        self.refused = ""  # why the run's CURVE keys refused its agent: out of the run
         self.agent = spec.name  # its agent's name: a restarted agent gets NAME.N
 
     def next_agent(self) -> str:
@@ -107,21 +110,19 @@ class FarmParent(Parent):
         self._next_beat = 0.0
         self._last_tick = time.monotonic()
         self._seq = 0
-        self.curve = curve_keys()
-        if self.curve is None and options.launcher != "local":
-            names = ", ".join(self.farm)
-            if not options.insecure:
-                make = "evflow keys DIR --names controller " + " ".join(self.farm)
-                raise ConfigurationError(
-                    f"the workers on hosts {names} would get the run's events over plaintext "
-                    f"tcp: make CURVE keys ({make}) and pass --keys DIR, or pass --insecure "
-                    "on a trusted network"
-                )
-            print(
-                f"evflow: warning: --insecure: events and results to hosts {names} go over "
-                "plaintext tcp",
-                file=sys.stderr,
-            )
+        # the one key policy of `evflow up` too (topology/security.py): keys, or plaintext
+        # across hosts only with --insecure; a host without a public key is refused
+        # when it connects, and the run goes on without it
+        self.hosts_written = isinstance(options.hosts, dict)  # hosts={...}: a file at start
+        self.curve = farm_security(
+            topology_name="", launcher=options.launcher,
+            hosts={n: self.hosts_spec[n] for n in self.farm},
+            hosts_file="hosts=" if self.hosts_written else str(options.hosts),
+            keys_dir=None, insecure=options.insecure, what="the path run",
+            warn=lambda text: print(f"evflow: warning: {text}", file=sys.stderr),
+            hosts_keys=False,
+        )  # fmt: skip
+        self.key_by_address: dict[str, str] = {}
 
     # --- life cycle ---------------------------------------------------------------------
     def run(self) -> Any:
@@ -129,30 +130,33 @@ class FarmParent(Parent):
 
         first = next(iter(self.farm.values())).spec.address
         self.address = route_source(first)
-        tcpwire.BIND_ADDRESS = self.address  # before the zygote forks the roles
-        tcpwire.CURVE = self.curve["controller"] if self.curve else None
         restore = self._curve_env() if self.curve else dict
+        tcpwire.BIND_ADDRESS = self.address  # before the zygote forks the roles
         try:
             return super().run()
         finally:
             tcpwire.BIND_ADDRESS = None
-            tcpwire.CURVE = None
             restore()
 
     def _curve_env(self) -> Any:
-        """Farm keys for the run's tcp bus too: a hosts file that names this machine
-        (``controller``) beside the hosts, for every process of the run (farmkeys.py)."""
-        from evflow.transport.paths import runtime_base_dir
+        """The farm keys in our environment for the run (every role inherits them):
+        our pair is the one the key policy gives our address (farmkeys.key_names)."""
+        assert self.curve is not None
+        self.curve.addresses = {n: h.address for n, h in self.hosts_spec.items()}
+        self.curve.controller_addresses = [self.address]
+        _, self.key_by_address = key_names(self.curve.addresses, [self.address])
+        written = None
+        if self.hosts_written:  # hosts= given as a dict: its addresses go to a file
+            from evflow.transport.paths import runtime_base_dir
 
-        me = self.curve.me  # type: ignore[union-attr]
-        lines = ["[hosts]", f'{me} = {{ address = "{self.address}" }}']
-        lines += [f'{n} = {{ address = "{h.spec.address}" }}' for n, h in self.farm.items()]
-        base = runtime_base_dir()
-        base.mkdir(parents=True, exist_ok=True)
-        self.curve_hosts = base / f".{self.session}.hosts.toml"
-        self.curve_hosts.write_text("\n".join(lines) + "\n")
-        saved = {k: os.environ.get(k) for k in ("EVFLOW_HOST", "EVFLOW_HOSTS_FILE")}
-        os.environ.update(EVFLOW_HOST=me, EVFLOW_HOSTS_FILE=str(self.curve_hosts))
+            lines = ["[hosts]"]
+            lines += [f'{n} = {{ address = "{a}" }}' for n, a in self.curve.addresses.items()]
+            base = runtime_base_dir()
+            base.mkdir(parents=True, exist_ok=True)
+            written = self.curve.hosts_file = base / f".{self.session}.hosts.toml"
+            written.write_text("\n".join(lines) + "\n")
+        saved = {k: os.environ.get(k) for k in (ENV_KEYS, ENV_HOST, ENV_HOSTS_FILE, ENV_CONTROLLER)}
+        self.curve.apply_to_controller()
 
         def restore() -> None:
             for key, value in saved.items():
@@ -160,7 +164,8 @@ class FarmParent(Parent):
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
-            self.curve_hosts.unlink(missing_ok=True)
+            if written is not None:
+                written.unlink(missing_ok=True)
 
         return restore
 
@@ -196,10 +201,8 @@ class FarmParent(Parent):
                 "--steering-argv", json.dumps(sys.argv[1:]), "--cwd", os.getcwd(),
                 "--controller-lost-s", "4"]  # fmt: skip
         env = {k: os.environ[k] for k in ("EVFLOW_RUNTIME_DIR", "PYTHONPATH") if k in os.environ}
-        if self.curve:  # the agent's bus client: a CURVE client with its host's key
-            env["EVFLOW_CURVE_KEYS"] = os.environ["EVFLOW_CURVE_KEYS"]
-            env["EVFLOW_HOST"] = host.spec.name
-            env["EVFLOW_HOSTS_FILE"] = str(self.curve_hosts)
+        if self.curve:  # the agent and its workers: CURVE clients with their host's key
+            env.update(self.curve.agent_env(host.spec.name))
         host.spawned, host.alive, host.last_beat_s = False, False, None
 
         name = host.spec.name
@@ -279,6 +282,8 @@ class FarmParent(Parent):
             self._command("heartbeat", "*", {})
         if self.endpoints is None:
             self.endpoints = tcpwire.read_endpoints(self.session)
+        if self.curve:
+            self._check_refusals()
         for name, host in self.farm.items():
             if starved and host.last_beat_s is not None:
                 host.last_beat_s = now
@@ -301,7 +306,27 @@ class FarmParent(Parent):
                 code = entry.get("returncode")
                 self._remote_exit(host, name, code if isinstance(code, int) else -9)
 
+    def _check_refusals(self) -> None:
+        """A host whose agent our bus refused (CURVE) is out of the run, said in one line
+        that names the key at fault; if no host is left, the run ends with that line."""
+        for peer, reason in self.farm_proxy.refusals():
+            address = peer.rsplit(":", 1)[0] if peer.count(":") == 1 else peer
+            name = self.key_by_address.get(address)
+            host = self.farm.get(name or "")
+            if host is None or host.alive or host.refused:
+                continue
+            assert self.curve is not None
+            host.refused = refusal_line(host.spec.name, peer, reason, self.curve.keys_dir)
+            say(f"evflow: {host.refused}; the run goes on without it")
+            if host.handle is not None:
+                threading.Thread(target=host.handle.terminate, args=(1.0,), daemon=True).start()
+            failed = [h.refused or h.start_error for h in self.farm.values()]
+            if all(failed) and not any(h.ever_up for h in self.farm.values()):
+                self._fail(PeerLostError("; ".join(failed)))
+
     def _tend_host(self, name: str, host: _Host, now: float) -> None:
+        if host.refused:
+            return
         ending = self.hard or self.error is not None or self.aborting_at
         input_done = not self._alive("input")
         if host.alive:
@@ -325,8 +350,12 @@ class FarmParent(Parent):
         if code is not None and not starting and not host.retry and not ending:
             # started but ended before we heard it once: never in the pool, so not "lost";
             # unnoticed, the host would be left out for good (and a run of one would wait)
+            # an agent that never hears the run's bus stops after --controller-lost-s
+            hint = "" if code < 0 else (
+                f" (did it reach the run's bus at {self.address}? is that address "
+                f"reachable from {name}?)")  # fmt: skip
             host.start_error = host.start_error or (
-                f"host {name!r}: its agent ended (code {code}) before it answered"
+                f"host {name!r}: its agent ended (code {code}) before it answered{hint}"
             )
         if host.start_error and not starting:
             self._start_failed(name, host, now)
@@ -342,7 +371,8 @@ class FarmParent(Parent):
     def _start_failed(self, name: str, host: _Host, now: float) -> None:
         """A host that cannot be reached: the run goes on with the others (and tries it
         again every rejoin_s); when no host was ever reached, one error names each."""
-        failed = {n: h.start_error for n, h in self.farm.items() if h.start_error}
+        failed = {n: h.start_error or h.refused for n, h in self.farm.items()
+                  if h.start_error or h.refused}  # fmt: skip
         if not any(h.ever_up for h in self.farm.values()) and len(failed) == len(self.farm):
             self._fail(PeerLostError("; ".join(failed.values())))  # each names its host
             return
@@ -364,8 +394,7 @@ class FarmParent(Parent):
             host.workers[worker] = 0
             self.host_of[worker] = host.spec.name
         args = {"workers": names, "endpoints": self.endpoints,
-                "event_buffer": self.options.event_buffer,
-                "curve": self.curve.get(host.spec.name) if self.curve else None}  # fmt: skip
+                "event_buffer": self.options.event_buffer}  # fmt: skip
         self._command("spawn-workers", f"agent.{host.agent}", args)
 
     def _say_stopping(self) -> None:

@@ -1,14 +1,12 @@
-"""What a path run across hosts is given: hosts, workers per host, CURVE keys.
+"""What a path run across hosts is given: hosts and workers per host.
 
 ``plan_hosts`` reads ``options.hosts`` (a hosts file or a dict) and the counts
-(``workers``, a host's own ``workers``, ``host_workers`` / ``-p h1=2,h2=1``);
-``curve_keys`` reads ``EVFLOW_CURVE_KEYS``: the caller's key pair is ``controller`` (or
-``$EVFLOW_HOST``), each host's is its name.
+(``workers``, a host's own ``workers``, ``host_workers`` / ``-p h1=2,h2=1``). Its CURVE
+keys are those of ``evflow up`` (topology/security.py).
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -56,36 +54,3 @@ def plan_hosts(options: ProcessOptions) -> tuple[dict[str, Any], dict[str, int]]
     if not counts:
         raise ConfigurationError(f"{name}: no host has a worker")
     return hosts, counts
-
-
-def curve_keys() -> dict[str, dict[str, str]] | None:
-    """CURVE options per process kind from ``EVFLOW_CURVE_KEYS`` (None: plain tcp).
-
-    The caller's key pair is ``controller`` (or ``EVFLOW_HOST``), each host's its name."""
-    keys_dir = os.environ.get("EVFLOW_CURVE_KEYS")
-    if not keys_dir:
-        return None
-    from evflow.transport.curve import KeyRing
-
-    ring = KeyRing(keys_dir)
-    me = os.environ.get("EVFLOW_HOST") or "controller"
-    server = ring.server_options(me)
-    out = {"controller": {"secret": server["curveSecretKey"], "allow": server["curveAllow"],
-                          "server_key": ring.client_options(me, me)["curveServerKey"]}}  # fmt: skip
-    return _HostCurve(ring, me, out)
-
-
-class _HostCurve(dict):  # type: ignore[type-arg]
-    """``controller`` -> the caller's options; any host name -> that host's (lazily)."""
-
-    def __init__(self, ring: Any, me: str, base: dict[str, Any]) -> None:
-        super().__init__(base)
-        self.ring, self.me = ring, me
-
-    def get(self, host: str, default: Any = None) -> Any:
-        if host in self:
-            return self[host]
-        opts = self.ring.client_options(host, self.me)
-        self[host] = {"secret": opts["curveSecretKey"], "server_key": opts["curveServerKey"],
-                      "allow": ""}  # fmt: skip
-        return self[host]

@@ -12,10 +12,12 @@ input's ROUTER), ``results`` (the output's PULL) and ``ctl`` (the caller's ROUTE
 - A remote worker sets :data:`CONNECT` (name -> tcp endpoint, told by its agent) and
   connects there instead of the ipc file.
 
-With :data:`CURVE` set (``EVFLOW_CURVE_KEYS``), those sockets use CURVE: the binding
-sockets are servers with the controller's key, remote workers clients with their
-host's key (local ipc peers of a server socket are clients with the controller's key).
-Runs without hosts leave every setting empty and their channels unchanged.
+With farm keys in the environment (``EVFLOW_CURVE_KEYS``, set for the whole run by the
+caller and for each agent: transport/farmkeys.py), those sockets use CURVE as every tcp
+socket of a farm: the binding sockets are servers with the caller's key pair, remote
+workers clients with their host's (the local input and output reach ``ctl`` over tcp
+too, as clients). Runs without hosts leave every setting empty and their channels
+unchanged.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 
 from evflow.errors import ConfigurationError
 from evflow.transport.channel_config import ChannelConfig
+from evflow.transport.farmkeys import farm_keys
 
 #: the channels remote workers use
 TCP_NAMES = ("events", "results", "ctl")
@@ -35,35 +38,28 @@ BIND_ADDRESS: str | None = None
 CONNECT: dict[str, str] = {}
 #: a host agent imports the steering file: the first parallel run raises SplitCaptured
 CAPTURE = False
-#: CURVE for those channels: {"secret": FILE, "server_key": FILE, "allow": DIR}
-CURVE: dict[str, str] | None = None
 
 
 def adjust(config: ChannelConfig, session: str) -> ChannelConfig:
     """The run channel ``config`` as a path run across hosts needs it (else unchanged)."""
-    if config.name not in TCP_NAMES:
+    if config.name not in TCP_NAMES or not (BIND_ADDRESS or CONNECT):
         return config
     changes: dict[str, Any] = {}
+    curve = farm_keys() is not None
     if config.method == "bind" and BIND_ADDRESS:
         tcp = f"tcp://{BIND_ADDRESS}:0"
         # with CURVE the socket is tcp only: a CURVE socket's ipc peers would need keys
         # too, and the refusal monitor reads tcp peers only
-        changes["address"] = tcp if CURVE is not None else f"{config.address};{tcp}"
+        changes["address"] = tcp if curve else f"{config.address};{tcp}"
     elif config.method == "connect" and config.name in CONNECT:
         changes["address"] = CONNECT[config.name]
-    elif config.method == "connect" and BIND_ADDRESS and CURVE is not None:
+    elif config.method == "connect" and BIND_ADDRESS and curve:
         # a local role (input, output) reaches the caller's ctl over tcp as well
         changes["address"] = _published(session, config.name)
     if not changes:
         return config
-    if CURVE is None:
-        changes["curve"] = "none"  # plain tcp: the run's own keys decide, not the farm's
-    elif config.method == "bind":
-        changes.update(curve="server", curveSecretKey=CURVE["secret"], curveAllow=CURVE["allow"])
-    else:
-        changes.update(
-            curve="client", curveSecretKey=CURVE["secret"], curveServerKey=CURVE["server_key"]
-        )
+    # with keys, the channel leaves curve unset: the farm keys make it a server or a
+    # client of the host it connects to (farmkeys.FarmKeys.options)
     return dataclasses.replace(config, **changes)
 
 

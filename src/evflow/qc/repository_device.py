@@ -32,6 +32,7 @@ import zmq
 
 from evflow.errors import CodecError, ConfigurationError, EvflowError
 from evflow.params import Param
+from evflow.processing.parallel.histlimits import current_limits
 from evflow.qc.publication import decode_publication
 from evflow.qc.storage import RepositoryWriter
 from evflow.runtime.device import Device
@@ -73,6 +74,7 @@ class QcRepositoryDevice(Device):
     def init_task(self) -> None:
         if not self.repo:
             raise ConfigurationError(f"device {self.id!r}: --repo PATH is required")
+        current_limits()  # a bad EVFLOW_MAX_* setting: one clear error now, not per message
         self._in = self.channel_list(IN)
         for ch in self._in:
             if ch.type not in ("pull", "router", "sub", "pair"):

@@ -116,7 +116,12 @@ def resolve_bus(bus: str, session: str) -> Any:
         if not path.exists():
             raise ConfigurationError(f"session {session!r} has no control bus (no {path})")
         return BusEndpoints.for_session(session)
-    found = find_bus_sessions()
+    from evflow.cli.status import sweep_dead_sessions
+    from evflow.transport.sessions import owner_gone
+
+    sweep_dead_sessions()
+    base = runtime_base_dir()
+    found = [name for name in find_bus_sessions() if owner_gone(base / name) is None]
     if not found:
         raise ConfigurationError(
             f"no control bus found under {runtime_base_dir()} (is a run or topology up? "

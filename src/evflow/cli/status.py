@@ -5,13 +5,16 @@
     evflow status [--session S] [--json]     # device, host, state, msg/s
     evflow down [--session S] [--timeout S]  # orderly shutdown of every host; waits
 
-Without ``--session``, the only topology session under the runtime directory is used.
+Without ``--session``, the only live topology session under the runtime directory is
+used. What sessions of dead controllers (``kill -9``) left is removed first, in one
+line on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from typing import Any
 
@@ -36,31 +39,65 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     down.set_defaults(func=_down)
 
 
+def sweep_dead_sessions(named: str = "") -> list[str]:
+    """Remove what sessions of dead owners left (a run killed with ``kill -9``: its
+    directory, ipc files and shm segments) and say so in one line on stderr (the
+    caller's own message speaks of session ``named``)."""
+    from evflow.transport.sessions import remove_stale_sessions
+
+    removed = remove_stale_sessions()
+    others = [name for name in removed if name != named and not name.startswith(f"{named}-")]
+    if others:
+        many = "s" if len(others) > 1 else ""
+        print(
+            f"evflow: removed what dead session{many} {', '.join(sorted(others))} left (killed; "
+            "no process of them runs)",
+            file=sys.stderr,
+        )
+    return removed
+
+
 def topology_sessions() -> list[str]:
-    """Sessions under the runtime directory run by a topology controller."""
+    """Sessions under the runtime directory run by a live topology controller (a
+    session whose controller is gone is left out)."""
     from evflow.transport.paths import runtime_base_dir
+    from evflow.transport.sessions import owner_gone
 
     base = runtime_base_dir()
     try:
-        return sorted(d.name for d in base.iterdir() if (d / MARKER).exists())
+        found = sorted(d for d in base.iterdir() if (d / MARKER).exists())
     except OSError:
         return []
+    return [d.name for d in found if owner_gone(d) is None]
 
 
-def find_session(session: str) -> str:
+def find_session(session: str) -> str | None:
+    """The topology session to talk to: ``session``, or the only live one. Sessions of
+    dead controllers are cleaned first; None: ``session`` was one of them."""
     from evflow.transport.paths import runtime_base_dir
+    from evflow.transport.sessions import owner_gone
 
+    removed = sweep_dead_sessions(session)
     if session:
-        if not (runtime_base_dir() / session / MARKER).exists():
+        path = runtime_base_dir() / session
+        if session in removed:
+            return None
+        if not (path / MARKER).exists():
             known = ", ".join(topology_sessions()) or "none"
             raise ConfigurationError(
                 f"no running topology with session {session!r} (running: {known})"
+            )
+        gone = owner_gone(path)
+        if gone is not None:  # something of it still listens: not removed
+            raise ConfigurationError(
+                f"session {session!r} is not running: its controller (pid {gone.pid}) is "
+                f"gone, but a process still listens in {path}"
             )
         return session
     found = topology_sessions()
     if not found:
         raise ConfigurationError(
-            f"no running topology under {runtime_base_dir()} (start one with evflow up)"
+            f"no running session under {runtime_base_dir()} (start a topology with evflow up)"
         )
     if len(found) > 1:
         raise ConfigurationError(
@@ -92,6 +129,11 @@ def ask_controller(session: str, cmd: str, timeout_s: float) -> dict[str, Any]:
 
 def _status(args: argparse.Namespace) -> int:
     session = find_session(args.session)
+    if session is None:
+        raise ConfigurationError(
+            f"session {args.session!r} is not running: its controller was killed "
+            "(what it left is removed now)"
+        )
     data = ask_controller(session, "status", args.timeout)
     if args.json:
         print(json.dumps(data, indent=2, sort_keys=True))
@@ -108,6 +150,9 @@ def _down(args: argparse.Namespace) -> int:
     from evflow.transport.paths import runtime_base_dir
 
     session = find_session(args.session)
+    if session is None:  # dead, and cleaned above: down already
+        print(f"session {args.session}: down (its controller was killed; what it left is removed)")
+        return 0
     ask_controller(session, "down", 5.0)
     path = runtime_base_dir() / session
     deadline = time.monotonic() + args.timeout

@@ -35,6 +35,7 @@ import zmq
 
 from evflow.errors import CodecError, ConfigurationError, IncompleteStreamError
 from evflow.params import Param
+from evflow.processing.parallel.histlimits import current_limits
 from evflow.qc.mergestate import MergeState
 from evflow.qc.publication import PublishedObject, decode_publication, encode_publication
 from evflow.runtime.device import BIDIRECTIONAL, Device
@@ -91,6 +92,7 @@ class QcMerger(Device):
 
     # --- set-up --------------------------------------------------------------------------
     def init_task(self) -> None:
+        current_limits()  # a bad EVFLOW_MAX_* setting: one clear error now, not per message
         names = [s.strip() for s in self.expected.split(",") if s.strip()]
         expected: list[str] | int = names or self.expected_count
         self.qc = MergeState(

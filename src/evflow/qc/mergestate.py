@@ -35,6 +35,7 @@ import msgpack
 
 from evflow.errors import CodecError, IncompatibleObjectsError, NotMergeableError
 from evflow.processing.parallel.deltas import DeltaMerger
+from evflow.processing.parallel.histlimits import current_limits
 from evflow.qc.checkpoint import restore_state, state_to_bytes
 from evflow.qc.objects import (
     check_compatible,
@@ -288,6 +289,11 @@ class MergeState:
             extra = msgpack.unpackb(bytes(payload[0]))
             if type(extra) is not list:
                 raise CodecError("QC object list is not a list")
+            if len(extra) > current_limits().max_objects:
+                raise CodecError(
+                    f"QC message of {len(extra)} objects (at most "
+                    f"{current_limits().max_objects}; EVFLOW_MAX_QC_OBJECTS raises it)"
+                )
             items: list[tuple[str, str, Any]] = [
                 (str(n), "o", decode_object(bytes(b))) for n, b in extra
             ]

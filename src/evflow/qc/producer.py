@@ -324,8 +324,15 @@ class QcTask(Module):
 
     def event(self, store: DataStore) -> bool | None:
         self.fill(store)
-        self.events += 1
-        self.events_total += 1
+        self.after_event()
+        return None
+
+    def after_event(self, filled: bool = True) -> None:
+        """What follows ``fill``: count the event (unless ``filled`` is False: the fill
+        raised, see ``qc-producer``) and publish when the cycle is due."""
+        if filled:
+            self.events += 1
+            self.events_total += 1
         if self.publisher is not None:
             now = time.monotonic()
             if now >= self._next_s:
@@ -333,7 +340,6 @@ class QcTask(Module):
                 self.publish_cycle()
             else:
                 self.publisher.service()
-        return None
 
     def end_run(self, run: RunMeta) -> None:
         if self.publisher is None:

@@ -14,11 +14,13 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import traceback
 from typing import Any
 
 from evflow.errors import CodecError, ConfigurationError, IncompleteStreamError
 from evflow.params import Param
 from evflow.processing.datastore import DataStore, RunMeta
+from evflow.processing.failures import SHOWN_UIDS, FailureLog
 from evflow.qc.producer import QcTask
 from evflow.runtime.device import Device, Origin
 from evflow.runtime.devices._stream import EndTracker, acknowledge
@@ -70,6 +72,10 @@ class QcProducer(EndTracker, Device):
     in_channel = Param(str, "data-in", "input channel")
 
     def init_task(self) -> None:
+        self.events_in = 0
+        self.bad_events = 0
+        self.task_errors = 0  # events the task's fill raised on
+        self.task_failures = FailureLog()
         cls = load_task_class(self.task)
         try:
             params = json.loads(self.task_params)
@@ -116,8 +122,15 @@ class QcProducer(EndTracker, Device):
                 if self.bad_events == 1:
                     log.error("%s: undecodable events dropped (%s); more are counted", self.id, exc)
                 return True
+            task = self.qc_task
             for store in stores:
-                self.qc_task.event(store)
+                try:
+                    task.fill(store)
+                except Exception as exc:  # user code: this event only (see _task_failed)
+                    self._task_failed(store, exc)
+                    task.after_event(filled=False)
+                else:
+                    task.after_event()
             self.events_in += len(stores)
             self.record.counts[0] = self.events_in
             return True
@@ -135,8 +148,35 @@ class QcProducer(EndTracker, Device):
         if self.ends >= self._needed:  # a restart: its dead process took every END
             self._loop_stop = True
 
+    def _task_failed(self, store: DataStore, exc: Exception) -> None:
+        """A fill that raised: the event is left out (what the fill added before it
+        raised stays, as for a module error in a path), counted per kind, and the first
+        of each kind is logged with its traceback."""
+        cause = type(exc).__name__
+        uid = store.meta.uid
+        first = (self.qc_task.name, cause) not in self.task_failures.groups
+        tb = exc.__traceback__
+        user_tb = "".join(traceback.format_exception(type(exc), exc, tb.tb_next if tb else None))
+        self.task_failures.add(self.qc_task.name, cause, str(exc)[:500], uid, user_tb[-4000:])
+        self.task_errors += 1
+        if first:
+            log.error(
+                "%s: QC task %r raised %s on event uid=%d: the event is left out, and "
+                "every later %s is counted, not logged\n%s",
+                self.id, self.qc_task.name, cause, uid, cause, user_tb.rstrip(),
+            )  # fmt: skip
+
     def post_run(self) -> None:
         self.qc_task.end_run(RunMeta(0, self.run_number))  # its merger must not wait
+        for group in self.task_failures.groups.values():
+            n = len(group.uids)
+            shown = ", ".join(str(u) for u in group.uids[:SHOWN_UIDS])
+            more = ", ..." if n > SHOWN_UIDS else ""
+            log.error(
+                "%s: QC task %r failed on %d of %d events: %s on %d (uids %s%s): %s",
+                self.id, group.module, self.task_errors, self.events_in, group.cause,
+                group.attempts, shown, more, group.text,
+            )  # fmt: skip
         if self.taken_before:
             # what the dead process filled and had not published died with it, and the
             # merger cannot tell those events from the ones it has: the objects are short
@@ -154,5 +194,7 @@ class QcProducer(EndTracker, Device):
         task = getattr(self, "qc_task", None)
         if task is not None:
             out["qc"] = {**task.statistics(), "events_in": self.events_in,
-                         "bad_events": self.bad_events}  # fmt: skip
+                         "bad_events": self.bad_events, "task_errors": self.task_errors,
+                         "task_error_kinds": {g.cause: g.attempts for g in
+                                              self.task_failures.groups.values()}}  # fmt: skip
         return out

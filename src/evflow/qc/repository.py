@@ -23,7 +23,7 @@ from evflow.errors import ClosedError, InputError, NotFoundError, OutputError, S
 from evflow.qc.objects import decode_object, encode_object
 from evflow.qc.publication import PublishedObject
 from evflow.qc.quality import Quality, QualityObject
-from evflow.qc.schema import open_connection
+from evflow.qc.schema import close_connection, open_connection
 from evflow.qc.versions import (
     Gap,
     Retention,
@@ -64,8 +64,10 @@ class Repository:
 
     def close(self) -> None:
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
-            self._conn.close()
+            close_connection(self._conn, writer=not self.readonly)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -30,9 +30,11 @@ from typing import IO, Any
 
 import zmq
 
-from evflow.errors import CodecError, ConfigurationError, EvflowError
+from evflow.errors import CodecError, ConfigurationError, EvflowError, OutputError
 from evflow.params import Param
+from evflow.processing.parallel.histlimits import current_limits
 from evflow.qc.publication import decode_publication
+from evflow.qc.schema import write_problem
 from evflow.qc.storage import RepositoryWriter
 from evflow.runtime.device import Device
 from evflow.wire.messages import BadMessageCounter, MsgType, encode_message
@@ -47,6 +49,9 @@ _RECENT = 4
 def lock_writer(path: Path) -> IO[bytes]:
     """An exclusive flock on the repository file (created if missing), or one clear error."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    problem = write_problem(path)
+    if problem is not None:
+        raise OutputError(f"QC repository {path} cannot be opened read-write: {problem}")
     handle = open(path, "ab")  # noqa: SIM115 (held open as the lock for the run)
     try:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -74,6 +79,7 @@ class QcRepositoryDevice(Device):
     def init_task(self) -> None:
         if not self.repo:
             raise ConfigurationError(f"device {self.id!r}: --repo PATH is required")
+        current_limits()  # a bad EVFLOW_MAX_* setting: one clear error now, not per message
         self._in = self.channel_list(IN)
         for ch in self._in:
             if ch.type not in ("pull", "router", "sub", "pair"):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from evflow.errors import CodecError
+from evflow.processing.parallel.histlimits import current_limits
 
 if TYPE_CHECKING:
     from evflow.qc.mergestate import MergeState
@@ -87,6 +88,7 @@ def split_payload(header: dict[Any, Any], payload: list[Any]) -> list[Any]:
     if (
         type(sizes) is not list
         or len(payload) != 3
+        or len(sizes) > current_limits().max_objects
         or not all(type(n) is int and n >= 0 for n in sizes)
     ):
         raise CodecError("QC payload with a bad 'sizes' list or frame count")

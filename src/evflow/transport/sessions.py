@@ -39,6 +39,7 @@ __all__ = [
     "OWNER_FILE",
     "Owner",
     "claim_session",
+    "owner_gone",
     "read_owner",
     "remove_stale_sessions",
     "secure_dir",
@@ -123,6 +124,15 @@ def read_owner(path: Path) -> Owner | None:
         return Owner(int(data["pid"]), float(data["started_s"]), str(data["host"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def owner_gone(path: Path) -> Owner | None:
+    """The owner recorded in session directory ``path`` if it ran on this host and is
+    gone; None when it runs, or when nothing tells (no owner file, another host)."""
+    owner = read_owner(path)
+    if owner is None or owner.host != socket.gethostname() or owner.alive():
+        return None
+    return owner
 
 
 def remove_stale_sessions() -> list[str]:

@@ -41,12 +41,14 @@ import msgpack
 import numpy as np
 
 from evflow.errors import CodecError, ConfigurationError
+from evflow.processing.parallel.histlimits import current_limits
 from evflow.processing.parallel.persist import (
     decode_persistent,
     encode_persistent,
     loaded_histogram_type,
     merge_into,
 )
+from evflow.wire._arrays import array_from_buffer, parse_dtype
 
 DELTA_VERSION = 1
 
@@ -82,20 +84,22 @@ def _pack_spec(obj: Any) -> bytes:
     return msgpack.packb([head, *packed])
 
 
-def _unpack_spec(spec: bytes, zero_limit: int) -> Any:
-    """``zero_limit``: the most zero bytes the spec may ask for in all. A spec comes
-    from a peer: without a limit a few hundred bytes could make us allocate gigabytes."""
+def _unpack_spec(spec: bytes, zero_limit: int) -> tuple[Any, int]:
+    """The histogram of a spec and the zero bytes it asked for. ``zero_limit``: the most
+    zero bytes the spec may ask for in all. A spec comes from a peer: without a limit a
+    few hundred bytes could make us allocate gigabytes."""
     head, *frames = msgpack.unpackb(spec)
+    asked = 0
     for i, frame in enumerate(frames):
         if type(frame) is int:
-            if not 0 <= frame <= min(MAX_ZERO_FRAME, zero_limit):
+            if not 0 <= frame <= min(MAX_ZERO_FRAME, zero_limit - asked):
                 raise CodecError(
                     f"histogram delta spec asks for {frame} zero bytes (at most "
-                    f"{min(MAX_ZERO_FRAME, zero_limit)} here)"
+                    f"{min(MAX_ZERO_FRAME, zero_limit - asked)} here)"
                 )
-            zero_limit -= frame
+            asked += frame
             frames[i] = bytes(frame)
-    return decode_persistent(head, frames)["t"]
+    return decode_persistent(head, frames)["t"], asked
 
 
 class _HistEntry:
@@ -218,7 +222,7 @@ class DeltaMerger:
         spec holds no more zeros than that (kept templates stay bounded by what came)."""
         found = self._templates.get(spec)
         if found is None:
-            tmpl = _unpack_spec(spec, bins)
+            tmpl, _ = _unpack_spec(spec, bins)
             if not isinstance(tmpl, _bh().Histogram):
                 raise CodecError("histogram delta spec does not describe a histogram")
             if len(self._templates) > 4096:  # growing axes make new specs: stay bounded
@@ -248,9 +252,16 @@ class DeltaMerger:
         head = msgpack.unpackb(head_bytes)
         if type(head) is not dict or head.get("v") != DELTA_VERSION:
             raise CodecError(f"persistent delta of unknown format {head!r:.60}")
+        items = head.get("items")
+        max_objects = current_limits().max_objects
+        if type(items) is not list or len(items) > max_objects:
+            count = len(items) if type(items) is list else None
+            raise CodecError(f"persistent delta of {count!r} items (at most {max_objects})")
+        # whole histograms (kind x) of one delta share one allowance of zero bytes
+        x_zeros = sum(len(f) for f in frames) + X_ZERO_ALLOWANCE
         out: list[tuple[str, str, Any]] = []
         plan: list[tuple[str, Any, bytes, Any, tuple[int, ...], int]] | None = []
-        for item in head["items"]:
+        for item in items:
             name, kind = str(item[0]), item[1]
             if kind == "h":
                 spec = bytes(item[2])
@@ -264,11 +275,12 @@ class DeltaMerger:
                 continue
             plan = None  # other kinds carry values in the head: no reusable plan
             if kind == "x":
-                sent = sum(len(f) for f in frames)
-                out.append((name, kind, _unpack_spec(bytes(item[2]), sent + X_ZERO_ALLOWANCE)))
+                whole, asked = _unpack_spec(bytes(item[2]), x_zeros)
+                x_zeros -= asked
+                out.append((name, kind, whole))
             elif kind == "nd":
-                arr = np.frombuffer(frames[int(item[4])], dtype=np.dtype(item[2]))
-                out.append((name, kind, arr.reshape(item[3]).copy()))
+                arr = array_from_buffer(parse_dtype(item[2]), item[3], frames[int(item[4])])
+                out.append((name, kind, arr.copy()))
             elif kind == "num":
                 if isinstance(item[2], bool) or not isinstance(item[2], int | float):
                     raise CodecError(f"persistent delta number {name!r} is {item[2]!r:.40}")

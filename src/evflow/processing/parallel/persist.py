@@ -15,7 +15,9 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from evflow.errors import ConfigurationError
+from evflow.errors import CodecError, ConfigurationError
+from evflow.processing.parallel.histlimits import HistogramLimits, check_histogram, current_limits
+from evflow.wire._arrays import array_from_buffer, parse_dtype
 
 FORMAT_VERSION = 1
 
@@ -39,8 +41,11 @@ def _restore_arrays(obj: Any, frames: list[Any], copy: bool = True) -> Any:
     views on the frames (for a histogram, whose storage copies them in any case)."""
     if isinstance(obj, dict):
         if "__nd__" in obj:
-            raw = frames[int(obj["__nd__"])]
-            arr = np.frombuffer(raw, dtype=obj["dtype"]).reshape(obj["shape"])
+            index = obj["__nd__"]
+            if type(index) is not int or not 0 <= index < len(frames):
+                raise CodecError(f"array reference {index!r:.20} to none of {len(frames)} frames")
+            # (dtype, shape and byte count checked as in the event codec)
+            arr = array_from_buffer(parse_dtype(obj.get("dtype")), obj.get("shape"), frames[index])
             return arr.copy() if copy else arr
         return {k: _restore_arrays(v, frames, copy) for k, v in obj.items()}
     if isinstance(obj, list):
@@ -90,19 +95,32 @@ def encode_persistent(objects: dict[str, Any]) -> tuple[bytes, list[Any], list[s
     return header, frames, skipped
 
 
-def decode_persistent(header: bytes | memoryview, frames: list[Any]) -> dict[str, Any]:
-    """Inverse of ``encode_persistent``; raises ConfigurationError on an unknown version."""
+def decode_persistent(
+    header: bytes | memoryview, frames: list[Any], limits: HistogramLimits | None = None
+) -> dict[str, Any]:
+    """Inverse of ``encode_persistent``; raises ConfigurationError on an unknown version
+    and CodecError for a histogram beyond ``limits`` (default: ``current_limits()``) or
+    an array that does not match its frame."""
+    lim = limits or current_limits()
     head = msgpack.unpackb(header)
-    if head.get("v") != FORMAT_VERSION:
+    if type(head) is not dict or head.get("v") != FORMAT_VERSION:
+        version = head.get("v") if type(head) is dict else None
         raise ConfigurationError(
-            f"persistent objects in format version {head.get('v')!r}, "
+            f"persistent objects in format version {version!r}, "
             f"this evflow reads version {FORMAT_VERSION}"
         )
+    items = head.get("items")
+    if type(items) is not list or len(items) > lim.max_objects:
+        count = len(items) if type(items) is list else None
+        raise CodecError(
+            f"persistent objects: {count!r} items (a list of at most {lim.max_objects})"
+        )
     out: dict[str, Any] = {}
-    for name, kind, desc in head["items"]:
+    for name, kind, desc in items:
         if kind in ("hist", "bh"):
             # from_uhi copies the bins into the histogram's storage: no copy before it
             data = _restore_arrays(desc, frames, copy=False)
+            check_histogram(data, lim)  # before from_uhi allocates what the axes declare
             if kind == "hist":
                 from hist import serialization as hser
 

@@ -48,7 +48,7 @@ from evflow.processing.parallel.persist import (
     loaded_histogram_type,
     merge_into,
 )
-from evflow.wire._arrays import array_from_buffer, parse_dtype
+from evflow.wire.codec import array_from_buffer, parse_dtype
 
 DELTA_VERSION = 1
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from evflow.errors import CodecError, ConfigurationError
 from evflow.processing.parallel.histlimits import HistogramLimits, check_histogram, current_limits
-from evflow.wire._arrays import array_from_buffer, parse_dtype
+from evflow.wire.codec import array_from_buffer, parse_dtype
 
 FORMAT_VERSION = 1
 

@@ -278,7 +278,28 @@ def test_ctrl_c_during_start_up_leaves_nothing_behind(tmp_path: Path) -> None:
         # a SIGINT before the interpreter installs its handler kills it by the signal
         assert proc.returncode in (0, 130, -signal.SIGINT), f"at {delay:.2f} s: {err}"
         assert "Traceback" not in err, err
+        if proc.returncode == 130:
+            assert err.strip().splitlines()[-1] == "evflow: interrupted", err
     assert 130 in codes
+
+
+def test_ctrl_c_before_anything_started_says_interrupted(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a Ctrl-C while the topology file is read (evflow up's first 0.3 s) exited 130
+    # without a word
+    from evflow.cli import main, up
+
+    load = up._load
+
+    def interrupted_load(args: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGINT)  # handled at once, on this (the main) thread
+        return load(args)
+
+    monkeypatch.setattr(up, "_load", interrupted_load)
+    code = main(["up", str(EXAMPLES / "fan_in.toml"), "--quiet"])
+    assert code == 130
+    assert capsys.readouterr().err == "evflow: interrupted\n"
 
 
 def test_killed_device_is_restarted_and_walked_back_to_running(tmp_path: Path) -> None:

@@ -125,8 +125,8 @@ def _handle(args: argparse.Namespace) -> int:
         security = _security(args, topology)
         if args.detach:
             return _detach(args, session)
-        if holder["early"]:
-            return 130
+        if holder["early"]:  # Ctrl-C before anything started: nothing to stop
+            raise KeyboardInterrupt  # the dispatcher says "evflow: interrupted", exit 130
         return _run(args, topology, session, holder, security)
     finally:
         for sig, handler in old.items():

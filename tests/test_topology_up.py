@@ -400,3 +400,27 @@ def test_a_device_failing_on_its_way_down_is_reported_not_restarted(tmp_path: Pa
     report = [line for line in text.splitlines() if line.startswith("flaky (localhost): lost:")]
     assert len(report) == 1 and "received 999 of 1000" in report[0], text
     assert not alive(pid)
+
+
+def test_a_qc_repository_with_a_writer_is_refused_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    # a second `evflow up qc_layers.toml` in the same directory started all 20 devices
+    # and failed after ~15 s at INIT_TASK with 18 lines and a device traceback
+    from evflow.qc.repository_device import lock_writer
+
+    repo = tmp_path / "qc-layers.sqlite"
+    with lock_writer(repo):  # the running topology's repository device holds this
+        proc = subprocess.run(
+            [sys.executable, "-m", "evflow", "up", str(EXAMPLES / "qc_layers.toml")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,
+        )
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"evflow: error: device 'repository': QC repository {repo.name} already has a writer "
+        "(another qc-repository device or process holds its lock); give each writer its own file"
+    ]
+    assert repo.stat().st_size == 0  # nothing was written to it

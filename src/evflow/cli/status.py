@@ -11,6 +11,7 @@ Without ``--session``, the only topology session under the runtime directory is 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from typing import Any
@@ -105,17 +106,24 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _down(args: argparse.Namespace) -> int:
+    from evflow.cli.up import SUMMARY_FILE
     from evflow.transport.paths import runtime_base_dir
 
     session = find_session(args.session)
     ask_controller(session, "down", 5.0)
     path = runtime_base_dir() / session
+    summary = ""
     deadline = time.monotonic() + args.timeout
     while path.exists():
+        if not summary:  # the controller's end summary, left for us before it goes
+            with contextlib.suppress(OSError):
+                summary = (path / SUMMARY_FILE).read_text()
+                (path / SUMMARY_FILE).unlink()  # read: the controller need not wait
         if time.monotonic() > deadline:
             raise TimeoutError_(
                 f"session {session!r}: the controller did not finish within {args.timeout:g} s"
             )
-        time.sleep(0.05)
+        time.sleep(0.02)
+    print(summary, end="")
     print(f"session {session}: down")
     return 0

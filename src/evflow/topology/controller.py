@@ -77,7 +77,9 @@ class Controller(StartupSteps):
         preload: tuple[str, ...] = (),
         view: Any = None,
         on_up: Any = None,
+        on_end: Any = None,
         security: FarmSecurity | None = None,
+        severity: str = "info",
     ) -> None:
         self.topology = topology
         self.session = session
@@ -95,7 +97,11 @@ class Controller(StartupSteps):
         self.preload = preload
         self.view = view
         self.on_up = on_up
+        #: called with the controller once every device ended, before the session goes
+        self.on_end = on_end
         self.security = security
+        #: the agents' (and so the devices') log level: debug, info, warn or error
+        self.severity = severity
         if security is not None:
             tcp_only_binds(topology)
         self.records = {d.id: DeviceRecord(d) for d in topology.devices.values()}
@@ -147,6 +153,8 @@ class Controller(StartupSteps):
         finally:
             try:
                 self.shutdown(fast=self.signals > 1)
+                if self.on_end is not None:
+                    self.on_end(self)
             finally:
                 self.close()
         return code

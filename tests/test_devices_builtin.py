@@ -297,3 +297,21 @@ def test_sigint_to_a_running_sampler_still_ends_the_stream_exactly(tmp_path: Pat
     got = read_stats(tmp_path / "sink.json")["sink"]
     assert sent["sent"] > 100 and sent["acked"] == 1
     assert got["received"] == got["announced"] == sent["sent"]
+
+
+def test_a_sampler_whose_peer_never_comes_leaves_no_session_directory() -> None:
+    # its connect made the session directory; no peer ever bound there, so it held no
+    # ipc file of ours, and the empty directory stayed after Ctrl-C
+    session = Path(os.environ["EVFLOW_RUNTIME_DIR"]) / "lonely"
+    sampler = start_device(
+        "sampler", "--id", "sampler", "--session", "lonely", "--ack-timeout-s", "0.5",
+        *cc(name="data", type="push", method="connect", address="ipc://nobody-binds"),
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not session.is_dir() and sampler.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert session.is_dir(), "the sampler never connected"
+    sampler.send_signal(2)
+    code, _, err = finish(sampler, 30)
+    assert code == 0, err
+    assert not session.exists()

@@ -62,3 +62,18 @@ def test_a_run_that_lost_events_does_not_end_as_a_success(monkeypatch: Any) -> N
     with pytest.raises(PeerLostError, match="7 of the 50 events read never reached") as info:
         evflow.process(path, workers=2, quiet=True)
     assert info.value.summary.counters["events lost"] == 7  # type: ignore[attr-defined]
+
+
+def test_an_interrupted_run_with_a_checkpoint_calls_its_unwritten_events_resumable() -> None:
+    # Ctrl-C twice: the events in flight are not written, and `--resume` writes them;
+    # the summary called them "events lost"
+    parent = _parent({"input": _input(900, 700), "output": {"written": 700}})
+    parent.signals = [2]
+    parent.role_options = {"checkpoint": "out.evr.ckpt"}
+    counters = parent._summary(1.0).counters
+    assert counters["events not written (--resume completes them)"] == 200
+    assert "events lost" not in counters
+    parent.role_options = {"checkpoint": None}  # no output file: nothing to resume
+    counters = parent._summary(1.0).counters
+    assert counters["events not written (interrupted)"] == 200
+    assert "events lost" not in counters

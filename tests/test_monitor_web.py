@@ -327,14 +327,50 @@ def test_run_with_a_busy_dashboard_port_fails_before_it_starts(tmp_path: Path) -
         "choose another with --dashboard PORT, or --dashboard auto for the next free one"
     ]
     assert not marker.exists()  # the steering file never ran
+    # a port that is no port is a bad command line: exit 2, one line after the usage
+    for value in ("80a", "99999", "0"):
+        bad = subprocess.run(
+            [sys.executable, "-m", "evflow", "run", str(steering), "--dashboard", value],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert bad.returncode == 2, bad.stderr
+        assert (
+            bad.stderr.strip()
+            .splitlines()[-1]
+            .endswith(
+                f"error: argument --dashboard: expected a port number (1-65535) or 'auto', "
+                f"got {value!r}"
+            )
+        )
+    assert not marker.exists()
+
+
+def test_dashboard_command_names_its_own_option_for_a_busy_or_bad_port(repo: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "evflow", "dashboard", "--repo", str(repo), "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"evflow: error: dashboard: port {port} on 127.0.0.1 is in use by another program; "
+        "choose another with --port PORT, or --port auto for the next free one"
+    ]
     bad = subprocess.run(
-        [sys.executable, "-m", "evflow", "run", str(steering), "--dashboard", "80a"],
+        [sys.executable, "-m", "evflow", "dashboard", "--repo", str(repo), "--port", "99999"],
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert bad.returncode == 1
-    assert "--dashboard '80a': expected a port number (1-65535) or 'auto'" in bad.stderr
+    assert bad.returncode == 2
+    assert "error: argument --port: expected a port number (1-65535) or 'auto'" in bad.stderr
 
 
 def test_sequential_run_says_it_has_nothing_to_monitor(tmp_path: Path) -> None:

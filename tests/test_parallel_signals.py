@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import random
+import re
+import select
 import signal
 import subprocess
 import sys
@@ -167,3 +169,54 @@ def test_running_parallel_run_answers_on_its_control_bus(tmp_path):
         proc.send_signal(signal.SIGINT)
         code, err = finish(proc)
     assert code == 130, err[-2000:]
+
+
+def _wait_stderr_line(proc: subprocess.Popen[bytes], start: str, timeout_s: float = 30) -> bytes:
+    """Read ``proc``'s stderr until a line starts with ``start`` (bounded); what it read."""
+    assert proc.stderr is not None
+    fd, buf = proc.stderr.fileno(), b""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if select.select([fd], [], [], 0.1)[0]:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            buf += chunk
+            if any(line.startswith(start.encode()) for line in buf.split(b"\n")):
+                return buf
+    proc.kill()
+    pytest.fail(f"never saw {start!r} on stderr: {buf[-2000:]!r}")
+
+
+def test_events_a_stopped_run_did_not_write_are_resumable_not_lost(tmp_path):
+    # Ctrl-C twice: what was in flight is not written; the summary called it "events
+    # lost: N" though --resume writes exactly those
+    steering = tmp_path / "steer.py"
+    steering.write_text(STEERING.replace("1_000_000", "3000").replace("0.3", "2.0"))
+    out = tmp_path / "out.evr"
+    cmd = [sys.executable, "-m", "evflow", "run", str(steering), "-p", "2", "-o", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not (out.exists() and out.stat().st_size > 50_000) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    early = _wait_stderr_line(proc, "evflow: stopping (Ctrl-C)")
+    proc.send_signal(signal.SIGINT)  # stop now: the events in flight stay unwritten
+    try:
+        stdout, stderr = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail("the run did not stop after the second Ctrl-C")
+    text = (stdout + early + stderr).decode(errors="replace")
+    assert proc.returncode == 130, text[-2000:]
+    assert "events lost" not in text, text
+    m = re.search(r"events not written \(--resume completes them\): (\d+)", text)
+    assert m is not None, text
+    written = check_output_readable(out)
+    resumed = subprocess.run([*cmd, "--resume", "--quiet"], capture_output=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert check_output_readable(out) == 3000  # every uid once
+    read = int(re.search(r"evflow: (\d+) read, ", text).group(1))  # type: ignore[union-attr]
+    assert int(m.group(1)) == read - written

@@ -337,7 +337,7 @@ def test_random_kills_of_a_running_topology_restart_and_data_flows_again(
     topo.write_text(TOPOLOGY)
     session = f"chaos{os.getpid()}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "evflow", "up", "--quiet", "--session", session, str(topo)],
+        [sys.executable, "-m", "evflow", "up", "--quiet", "-v", "--session", session, str(topo)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     chaos = Chaos(proc, session, seed)

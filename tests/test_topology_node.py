@@ -147,7 +147,7 @@ def test_pre_flight_removes_leftovers_of_a_dead_session(tmp_path: Path, _runtime
     shm.write_bytes(b"x")
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "evflow", "up", str(EXAMPLES / "fan_in.toml"), "--quiet"],
+            [sys.executable, "-m", "evflow", "up", str(EXAMPLES / "fan_in.toml"), "--quiet", "-v"],
             capture_output=True,
             text=True,
             timeout=90,

@@ -92,7 +92,7 @@ def run_and_kill(tmp_path: Path, session: str, first: str, then: str | None) -> 
     repo = tmp_path / "qc.sqlite"
     topo.write_text(TOPOLOGY.format(n_events=N_EVENTS, run=RUN, state=state, repo=repo))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "evflow", "up", "--quiet", "--session", session, str(topo)],
+        [sys.executable, "-m", "evflow", "up", "--quiet", "-v", "--session", session, str(topo)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     lines = Lines(proc)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -22,6 +23,10 @@ import psutil
 import pytest
 
 from _topo import Lines
+from evflow.qc.repository import Repository
+from evflow.topology.hosts import load_hosts
+from evflow.topology.resolve import resolve
+from evflow.topology.spec import load_topology
 
 EXAMPLES = Path(__file__).parent.parent / "examples" / "topologies"
 HOSTS3 = "[hosts]\n" + "".join(f'h{i} = {{ address = "127.0.0.1" }}\n' for i in (1, 2, 3))
@@ -251,6 +256,20 @@ def test_detach_status_ctl_and_down(tmp_path: Path) -> None:
     sink = found["sink"]["sink"]
     assert sink["received"] == sink["announced"] > 0  # stopped early, nothing lost
     assert evflow("status").returncode == 1
+    # down shows what the detached controller's summary says, not only "down"
+    said = down.stdout.splitlines()
+    assert said[-1] == "session det: down"
+    assert said[0].startswith("slow: 6 devices ended cleanly after "), said
+    samplers = [v for k, v in found.items() if k.startswith(("sampler", "far"))]
+    assert said[1:-1] == [
+        f"  sampler x4 messages in {sum(v['messages_in'] for v in samplers)}, "
+        f"out {sum(v['messages_out'] for v in samplers)}",
+        f"  merger x1  messages in {found['merger']['messages_in']}, "
+        f"out {found['merger']['messages_out']}",
+        f"  sink x1    messages in {found['sink']['messages_in']}, "
+        f"out {found['sink']['messages_out']}; received {sink['received']} of "
+        f"{sink['announced']} announced",
+    ], said
 
 
 def test_ctrl_c_during_start_up_leaves_nothing_behind(tmp_path: Path) -> None:
@@ -281,7 +300,28 @@ def test_ctrl_c_during_start_up_leaves_nothing_behind(tmp_path: Path) -> None:
         # a SIGINT before the interpreter installs its handler kills it by the signal
         assert proc.returncode in (0, 130, -signal.SIGINT), f"at {delay:.2f} s: {err}"
         assert "Traceback" not in err, err
+        if proc.returncode == 130:
+            assert err.strip().splitlines()[-1] == "evflow: interrupted", err
     assert 130 in codes
+
+
+def test_ctrl_c_before_anything_started_says_interrupted(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a Ctrl-C while the topology file is read (evflow up's first 0.3 s) exited 130
+    # without a word
+    from evflow.cli import main, up
+
+    load = up._load
+
+    def interrupted_load(args: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGINT)  # handled at once, on this (the main) thread
+        return load(args)
+
+    monkeypatch.setattr(up, "_load", interrupted_load)
+    code = main(["up", str(EXAMPLES / "fan_in.toml"), "--quiet"])
+    assert code == 130
+    assert capsys.readouterr().err == "evflow: interrupted\n"
 
 
 def test_killed_device_is_restarted_and_walked_back_to_running(tmp_path: Path) -> None:
@@ -291,7 +331,9 @@ def test_killed_device_is_restarted_and_walked_back_to_running(tmp_path: Path) -
     topo.write_text(text)
     out = tmp_path / "stats"
     session = "restart"
-    proc = start_up(str(topo), "--hosts", str(hosts), "--session", session, "--stats-dir", str(out))
+    proc = start_up(
+        str(topo), "-v", "--hosts", str(hosts), "--session", session, "--stats-dir", str(out)
+    )
     lines = Lines(proc)
     try:
         lines.wait_for("devices RUNNING", 60)
@@ -382,3 +424,100 @@ def test_a_device_failing_on_its_way_down_is_reported_not_restarted(tmp_path: Pa
     report = [line for line in text.splitlines() if line.startswith("flaky (localhost): lost:")]
     assert len(report) == 1 and "received 999 of 1000" in report[0], text
     assert not alive(pid)
+
+
+def test_a_qc_repository_with_a_writer_is_refused_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    # a second `evflow up qc_layers.toml` in the same directory started all 20 devices
+    # and failed after ~15 s at INIT_TASK with 18 lines and a device traceback
+    from evflow.qc.repository_device import lock_writer
+
+    repo = tmp_path / "qc-layers.sqlite"
+    with lock_writer(repo):  # the running topology's repository device holds this
+        proc = subprocess.run(
+            [sys.executable, "-m", "evflow", "up", str(EXAMPLES / "qc_layers.toml")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,
+        )
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"evflow: error: device 'repository': QC repository {repo.name} already has a writer "
+        "(another qc-repository device or process holds its lock); give each writer its own file"
+    ]
+    assert repo.stat().st_size == 0  # nothing was written to it
+
+
+def _kind_lines(text: str) -> dict[str, str]:
+    """The end summary's per-kind lines: kind -> the figures after it."""
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"  (\S+) x(\d+) +(.*)$", line)
+        if m:
+            out[m.group(1)] = f"x{m.group(2)} {m.group(3)}"
+    return out
+
+
+def _figures(found: dict[str, dict[str, Any]], ids: list[str]) -> str:
+    return (
+        f"messages in {sum(found[i]['messages_in'] for i in ids)}, "
+        f"out {sum(found[i]['messages_out'] for i in ids)}"
+    )
+
+
+@pytest.mark.parametrize("example", ["fan_in", "two_layer", "qc_layers", "three_hosts"])
+def test_up_through_a_pipe_is_a_few_lines_and_a_summary_that_adds_up(
+    tmp_path: Path, example: str
+) -> None:
+    # through a pipe `evflow up` printed ~150 INFO lines and ended with "done 20"; the
+    # result (stored 182, lost 0) was only in the devices' logs
+    out = tmp_path / "stats"
+    path = str(EXAMPLES / f"{example}.toml")
+    args = ["up", path, "--stats-dir", str(out)]
+    hosts = None
+    if example == "three_hosts":  # three agents on this machine
+        (tmp_path / "hosts.toml").write_text(HOSTS3)
+        args += ["--hosts", str(tmp_path / "hosts.toml")]
+        hosts = load_hosts(str(tmp_path / "hosts.toml"))
+    kind_of = {
+        d.id: d.cls.split(":")[-1] for d in resolve(load_topology(path, hosts)).devices.values()
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "evflow", *args],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    found = stats(out)
+    kinds: dict[str, list[str]] = {}
+    for dev_id in found:
+        kinds.setdefault(kind_of[dev_id], []).append(dev_id)
+    name = lines[0].split(":")[0]
+    assert re.fullmatch(rf"{name}: {len(found)} devices RUNNING on \d host\(s\) after .*", lines[0])
+    assert re.fullmatch(rf"{name}: {len(found)} devices ended cleanly after [\d.]+ s", lines[1])
+    assert len(lines) == 2 + len(kinds), proc.stderr  # nothing else: no INFO, no states
+    said = _kind_lines(proc.stderr)
+    assert set(said) == set(kinds)
+    for kind, ids in kinds.items():
+        assert said[kind].startswith(f"x{len(ids)} {_figures(found, ids)}"), (kind, said[kind])
+    if "sink" in kinds:
+        sink = found["sink"]["sink"]
+        sent = sum(v["sampler"]["sent"] for v in found.values() if "sampler" in v)
+        assert sink["received"] == sink["announced"] == sent
+        assert said["sink"].endswith(f"; received {sent} of {sent} announced")
+    if "qc-repository" in kinds:
+        with Repository(tmp_path / "qc-layers.sqlite", readonly=True) as repo:
+            versions = sum(len(repo.versions(p)) for p in repo.paths())
+        assert versions > 0
+        assert said["qc-repository"].endswith(f"; objects stored {versions}")
+
+
+def test_up_verbose_shows_what_every_process_does(tmp_path: Path) -> None:
+    proc = evflow("up", str(EXAMPLES / "fan_in.toml"), "-v")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "][INFO][localhost] " in proc.stderr  # the agent's and the devices' logs
+    assert "fan-in: RUNNING 6" in proc.stdout.splitlines()  # the state lines
+    assert "fan-in: 6 devices ended cleanly after " in proc.stderr

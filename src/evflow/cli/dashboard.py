@@ -14,6 +14,7 @@ import sys
 import threading
 from typing import Any
 
+from evflow.cli.run import port_arg
 from evflow.errors import ConfigurationError
 
 
@@ -33,7 +34,9 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--session", default=None, help="the bus of this local session")
     parser.add_argument("--repo", default=None, metavar="PATH", help="a QC repository file")
-    parser.add_argument("--port", default="auto", help="port number or 'auto' (default)")
+    parser.add_argument(
+        "--port", type=port_arg, default="auto", help="port number or 'auto' (default)"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--prometheus", default=None, metavar="URL", help="history from here")
     parser.add_argument("--duration", type=float, default=None, metavar="S", help="stop after S s")
@@ -41,7 +44,7 @@ def register(subparsers: Any) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from evflow.monitor.web.server import parse_port, start_dashboard
+    from evflow.monitor.web.server import start_dashboard
     from evflow.runtime.busclient import BusEndpoints, find_bus_sessions
 
     buses = [BusEndpoints.parse(b) for b in args.bus]
@@ -62,8 +65,9 @@ def handle(args: argparse.Namespace) -> int:
     try:
         with start_dashboard(
             buses,
-            parse_port(args.port),
+            args.port,
             host=args.host,
+            port_option="--port",
             repo=args.repo,
             prometheus_url=args.prometheus,
         ) as dash:

@@ -191,6 +191,21 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def port_arg(text: str) -> int | str:
+    """A dashboard port: 1-65535 or ``auto`` (a bad one is a bad command line: exit 2)."""
+    if text == "auto":
+        return "auto"
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"expected a port number (1-65535) or 'auto', got {text!r}"
+        )
+    return port
+
+
 def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
     """The ``process()`` options the command line sets (only those given)."""
     overrides: dict[str, Any] = {}
@@ -233,6 +248,7 @@ def add_monitor_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--dashboard",
         metavar="PORT",
+        type=port_arg,
         default=None,
         help="serve the live dashboard and /metrics on 127.0.0.1:PORT ('auto': the first "
         "free port from 8050)",
@@ -245,7 +261,7 @@ def add_monitor_options(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--dashboard-linger",
-        type=float,
+        type=non_negative_float,
         default=0.0,
         metavar="S",
         help="keep the dashboard up S seconds after the run (a last scrape, a last look)",
@@ -264,12 +280,9 @@ def monitor_request(args: argparse.Namespace) -> Any:
     if port is None and report is None:
         return None
     from evflow.monitor.runhook import RunMonitor
-    from evflow.monitor.web.server import parse_port
 
-    if args.dashboard_linger < 0:
-        raise EvflowError(f"--dashboard-linger {args.dashboard_linger}: expected seconds >= 0")
     return RunMonitor(
-        port=None if port is None else parse_port(port),
+        port=port,
         host=args.dashboard_host,
         repo=args.qc_repo,
         prometheus_url=args.prometheus,

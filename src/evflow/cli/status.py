@@ -13,6 +13,7 @@ line on stderr.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -147,6 +148,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _down(args: argparse.Namespace) -> int:
+    from evflow.cli.up import SUMMARY_FILE
     from evflow.transport.paths import runtime_base_dir
 
     session = find_session(args.session)
@@ -155,12 +157,18 @@ def _down(args: argparse.Namespace) -> int:
         return 0
     ask_controller(session, "down", 5.0)
     path = runtime_base_dir() / session
+    summary = ""
     deadline = time.monotonic() + args.timeout
     while path.exists():
+        if not summary:  # the controller's end summary, left for us before it goes
+            with contextlib.suppress(OSError):
+                summary = (path / SUMMARY_FILE).read_text()
+                (path / SUMMARY_FILE).unlink()  # read: the controller need not wait
         if time.monotonic() > deadline:
             raise TimeoutError_(
                 f"session {session!r}: the controller did not finish within {args.timeout:g} s"
             )
-        time.sleep(0.05)
+        time.sleep(0.02)
+    print(summary, end="")
     print(f"session {session}: down")
     return 0

@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import sys
+import time
 from typing import Any
 
 from evflow.errors import ConfigurationError, EvflowError
@@ -58,9 +59,21 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--connect-timeout", type=float, default=None, metavar="S")
     parser.add_argument("--start-timeout", type=float, default=60.0, metavar="S")
     parser.add_argument("--grace", type=float, default=3.0, metavar="S", help="per stop group")
-    parser.add_argument("--quiet", action="store_true", help="no live table or state lines")
     parser.add_argument(
-        "--severity", default="info", choices=("debug", "info", "warn", "error"), help="log level"
+        "--quiet", action="store_true", help="no live table, state lines or end summary"
+    )
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log what every process does (INFO) and, without a terminal, one line per "
+        "change of the device states (default: warnings and errors, then a summary)",
+    )
+    parser.add_argument(
+        "--severity",
+        default=None,
+        choices=("debug", "info", "warn", "error"),
+        help="log level of the controller, agents and devices (default: warn; -v: info)",
     )
     parser.add_argument("--notify-fd", type=int, default=-1, help=argparse.SUPPRESS)
     parser.set_defaults(func=_handle)
@@ -125,8 +138,8 @@ def _handle(args: argparse.Namespace) -> int:
         security = _security(args, topology)
         if args.detach:
             return _detach(args, session)
-        if holder["early"]:
-            return 130
+        if holder["early"]:  # Ctrl-C before anything started: nothing to stop
+            raise KeyboardInterrupt  # the dispatcher says "evflow: interrupted", exit 130
         return _run(args, topology, session, holder, security)
     finally:
         for sig, handler in old.items():
@@ -143,11 +156,12 @@ def _run(
     notify_fd = args.notify_fd
     if notify_fd >= 0:
         _log_to_session(session)
-    level = {"warn": logging.WARNING}.get(args.severity, getattr(logging, args.severity.upper()))
+    severity = args.severity or ("info" if args.verbose else "warn")
+    level = {"warn": logging.WARNING}.get(severity, getattr(logging, severity.upper()))
     logging.basicConfig(
         level=level, stream=sys.stderr, format="[%(asctime)s][%(levelname)s] %(message)s"
     )
-    view = None if args.quiet or notify_fd >= 0 else make_view()
+    view = None if args.quiet or notify_fd >= 0 else make_view(lines=args.verbose)
 
     def on_up(ctrl: Any) -> None:
         print(
@@ -171,7 +185,9 @@ def _run(
         preload=tuple(args.preload),
         view=view,
         on_up=on_up,
+        on_end=_write_summary if notify_fd >= 0 else None,
         security=security,
+        severity=severity,
     )
     holder["ctrl"] = ctrl
     for _ in range(holder["early"]):
@@ -181,7 +197,7 @@ def _run(
     finally:
         if view is not None:
             view.close(ctrl)
-    _report(ctrl)
+    _report(ctrl, quiet=args.quiet or notify_fd >= 0)
     if ctrl.failure:
         _notify(args, f"error: {ctrl.failure}\n")
         if code != 130:
@@ -192,16 +208,13 @@ def _run(
     return code
 
 
-def _report(ctrl: Any) -> None:
-    """The end in a few lines: what the sinks counted, which devices were lost."""
-    for rec in ctrl.records.values():
-        sink = rec.summary.get("sink") if rec.summary else None
-        if sink:
-            print(
-                f"{rec.id} ({rec.host}): received {sink.get('received')} of "
-                f"{sink.get('announced')} announced, {sink.get('ends')} END",
-                file=sys.stderr,
-            )
+def _report(ctrl: Any, quiet: bool = False) -> None:
+    """The end in a few lines: a summary per device kind, which devices were lost."""
+    from evflow.topology.view import end_summary
+
+    if not quiet and ctrl.running_after_s is not None:  # (a failed start: its error line)
+        for line in end_summary(ctrl, time.monotonic() - ctrl.started_s):
+            print(line, file=sys.stderr)
     lost = [r for r in ctrl.records.values() if r.lost]
     for rec in lost[:20]:
         print(f"{rec.id} ({rec.host}): lost: {rec.error or rec.message}", file=sys.stderr)
@@ -215,6 +228,35 @@ def _report(ctrl: Any) -> None:
             f" and {len(stopped) - 10} more" if len(stopped) > 10 else ""
         )
         print(f"stopped by the controller at shutdown: {len(stopped)} ({shown})", file=sys.stderr)
+
+
+#: a detached controller's end summary, in its session directory, for ``evflow down``
+SUMMARY_FILE = "summary.txt"
+#: how long a detached controller keeps its session for ``evflow down`` to read it
+SUMMARY_WAIT_S = 3.0
+
+
+def _write_summary(ctrl: Any) -> None:
+    """Detached: leave the end summary where ``evflow down`` (waiting for the session to
+    go) reads it, and give it a moment to (it removes the file once read)."""
+    from evflow.topology.view import end_summary
+    from evflow.transport.paths import runtime_base_dir
+
+    folder = runtime_base_dir() / ctrl.session
+    if not folder.is_dir():
+        return
+    lines = end_summary(ctrl, time.monotonic() - ctrl.started_s)
+    tmp = folder / f".{SUMMARY_FILE}.tmp"
+    try:
+        tmp.write_text("\n".join(lines) + "\n")
+        tmp.rename(folder / SUMMARY_FILE)  # whole or not at all for the reader
+    except OSError as exc:  # (a full disk): the topology ended all the same
+        print(f"evflow: warning: cannot leave the summary for evflow down: {exc}", file=sys.stderr)
+        return
+    if ctrl.down_requested:  # somebody waits for it
+        deadline = time.monotonic() + SUMMARY_WAIT_S
+        while (folder / SUMMARY_FILE).exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
 
 
 def _notify(args: argparse.Namespace, text: str) -> None:
@@ -246,8 +288,10 @@ def _detach(args: argparse.Namespace, session: str) -> int:
     argv = [sys.executable, "-m", "evflow", "up", args.topology, "--launcher", args.launcher]
     argv += ["--session", session, "--notify-fd", str(write_fd), "--grace", str(args.grace)]
     argv += ["--start-timeout", str(args.start_timeout)]
-    if args.insecure:
-        argv.append("--insecure")
+    if args.verbose:
+        argv.append("-v")
+    if args.severity:
+        argv += ["--severity", args.severity]
     if args.hosts:
         argv += ["--hosts", args.hosts]
     if args.keys:

@@ -76,6 +76,14 @@ class QcRepositoryDevice(Device):
     max_pending = Param(int, 1000, "objects kept in memory during a storing gap")
     retry_interval_s = Param(float, 1.0, "retry storing this often during a gap (s)")
 
+    @classmethod
+    def preflight(cls, params: dict[str, Any]) -> None:
+        """A repository that already has a writer (a topology still running in this
+        directory) is refused before anything starts, not at INIT_TASK."""
+        repo = params.get("repo")
+        if isinstance(repo, str) and repo and Path(repo).is_file():
+            lock_writer(Path(repo)).close()  # raises if another process holds it
+
     def init_task(self) -> None:
         if not self.repo:
             raise ConfigurationError(f"device {self.id!r}: --repo PATH is required")

@@ -139,6 +139,15 @@ class Device:
         calls it for a topology that runs on its own host, with every declared
         parameter (defaults filled in). The default finds nothing wrong."""
 
+    @classmethod
+    def preflight(cls, params: dict[str, Any]) -> None:
+        """Check, before anything of a topology starts, what would make this device fail
+        later (a file another process holds); raise ConfigurationError with one line.
+
+        Called by the controller (``evflow up``) in its own process, with the device's
+        ``params`` from the topology file, for devices placed on the controller's host.
+        It must not change anything: a pre-flight check only looks."""
+
     def _set_params(self, params: dict[str, Any]) -> None:
         self._params.update(resolve_params(f"device {self.id!r}", self.declared_params(), params))
 

@@ -79,7 +79,9 @@ class Controller(StartupSteps):
         preload: tuple[str, ...] = (),
         view: Any = None,
         on_up: Any = None,
+        on_end: Any = None,
         security: FarmSecurity | None = None,
+        severity: str = "info",
     ) -> None:
         self.topology = topology
         self.session = session
@@ -97,7 +99,11 @@ class Controller(StartupSteps):
         self.preload = preload
         self.view = view
         self.on_up = on_up
+        #: called with the controller once every device ended, before the session goes
+        self.on_end = on_end
         self.security = security
+        #: the agents' (and so the devices') log level: debug, info, warn or error
+        self.severity = severity
         if security is not None:
             tcp_only_binds(topology)
         self.records = {d.id: DeviceRecord(d) for d in topology.devices.values()}
@@ -150,11 +156,28 @@ class Controller(StartupSteps):
         finally:
             try:
                 self.shutdown(fast=self.signals > 1)
+                if self.on_end is not None:
+                    self.on_end(self)
             finally:
                 self.close()
         return code
 
     # --- start ---------------------------------------------------------------------
+    def _preflight_devices(self) -> None:
+        """Each device class's own pre-flight check (``Device.preflight``: a QC repository
+        that already has a writer), for the devices on this machine, before anything
+        starts: one line now instead of a device's traceback at INIT_TASK."""
+        from evflow.runtime.runner import load_device_class
+
+        for dev in self.topology.devices.values():
+            host = self.topology.hosts.get(dev.host)
+            if self.launcher.name != "local" and not (host is not None and host.is_local):
+                continue  # its files are on another host
+            try:
+                load_device_class(dev.cls).preflight(dev.params)
+            except ConfigurationError as exc:
+                raise ConfigurationError(f"device {dev.id!r}: {exc}") from None
+
     def start(self) -> None:
         from evflow.transport.sessions import claim_session, remove_stale_sessions
 
@@ -169,6 +192,7 @@ class Controller(StartupSteps):
         removed = remove_stale_sessions()
         if removed:
             log.info("pre-flight: removed leftovers of dead session(s) %s", ", ".join(removed))
+        self._preflight_devices()
         self.sup.start()  # zygote and bus proxy, before our own zmq context
         early = self.launcher.name == "ssh"  # agents start while the bus comes up
         if early:

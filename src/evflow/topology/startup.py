@@ -50,6 +50,7 @@ class StartupSteps:
     launcher: Any
     preload: tuple[str, ...]
     session: str
+    severity: str
 
     def _agent_env(self, host: str) -> dict[str, str]:
         raise NotImplementedError
@@ -111,6 +112,7 @@ class StartupSteps:
             host = self.topology.hosts[name]
             bus = agent_bus(host.address) if agent_bus is not None else "-"
             args = ["--bus", bus, "--session", self.session, "--host", name]
+            args += ["--severity", self.severity]
             for module in self.preload:
                 args += ["--preload", module]
             launches[name] = (host, args, self._agent_env(name))

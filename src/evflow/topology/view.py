@@ -1,9 +1,11 @@
-"""What ``evflow up`` shows while a topology runs.
+"""What ``evflow up`` shows while a topology runs, and the summary at its end.
 
 On a terminal: a live table (device, host, state, process, msg/s in and out), refreshed
 twice a second, longest tables cut to the terminal's height with a count of the rest.
-Otherwise (a pipe, a log file): one line each time the count of devices per state
-changes, e.g. ``fan-in: RUNNING 5, EXITING 1``.
+Otherwise (a pipe, a log file) nothing while it runs, or with ``-v`` one line each time
+the count of devices per state changes, e.g. ``fan-in: RUNNING 5, EXITING 1``.
+:func:`end_summary`: a few lines per device kind (messages, objects stored, restarts,
+devices lost), from the summaries the devices sent as they ended.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import time
 from collections import Counter
 from typing import Any
 
-__all__ = ["LineView", "TableView", "make_view", "status_table"]
+__all__ = ["LineView", "TableView", "end_summary", "make_view", "status_table"]
 
 
 def _histogram(rows: list[dict[str, Any]]) -> str:
@@ -98,7 +100,77 @@ class TableView:
         self.live.stop()
 
 
-def make_view(live: bool | None = None) -> Any:
-    """A table on a terminal, lines otherwise (``live`` forces one or the other)."""
+def make_view(live: bool | None = None, lines: bool = True) -> Any:
+    """A table on a terminal, lines otherwise (``live`` forces one or the other);
+    ``lines=False``: no view at all where there is no terminal (None)."""
     use_table = sys.stdout.isatty() if live is None else live
-    return TableView() if use_table else LineView()
+    if use_table:
+        return TableView()
+    return LineView() if lines else None
+
+
+def _kind(cls: str) -> str:
+    """A device class as people name it: ``sink``, ``qc-merger``, ``ToyEvents``."""
+    return cls.rsplit(":", 1)[-1]
+
+
+def _count(summary: dict[str, Any], *keys: str) -> int | None:
+    """``summary[k1][k2]...`` if it is an int (a device's own figures are untrusted)."""
+    value: Any = summary
+    for key in keys:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value if type(value) is int else None
+
+
+def end_summary(ctrl: Any, elapsed_s: float) -> list[str]:
+    """The end of a topology in a few lines: one per device kind (``x N`` devices,
+    messages in and out, what sinks received and repositories stored, restarts and
+    devices lost, the last two only when there were any), then one verdict line."""
+    kinds: dict[str, list[Any]] = {}
+    # sources first, as the data flows (the stop order); then as the file names them
+    for rec in sorted(ctrl.records.values(), key=lambda r: r.spec.stop_order):
+        kinds.setdefault(_kind(rec.spec.cls), []).append(rec)
+    width = max(len(k) + len(str(len(r))) for k, r in kinds.items()) + 3
+    lines = []
+    for kind, recs in kinds.items():
+        head = f"{kind} x{len(recs)}"
+        parts = []
+        msg_in = [_count(r.summary, "messages_in") for r in recs]
+        msg_out = [_count(r.summary, "messages_out") for r in recs]
+        if any(n is not None for n in msg_in + msg_out):
+            missing = sum(1 for n in msg_in if n is None)
+            parts.append(
+                f"messages in {sum(n or 0 for n in msg_in)}, out {sum(n or 0 for n in msg_out)}"
+                + (f" ({missing} sent no figures)" if missing else "")
+            )
+        received = [_count(r.summary, "sink", "received") for r in recs]
+        announced = [_count(r.summary, "sink", "announced") for r in recs]
+        if any(n is not None for n in received):
+            parts.append(
+                f"received {sum(n or 0 for n in received)} of "
+                f"{sum(n or 0 for n in announced)} announced"
+            )
+        stored = [_count(r.summary, "qc_repository", "stored") for r in recs]
+        if any(n is not None for n in stored):
+            dropped = sum(_count(r.summary, "qc_repository", "lost") or 0 for r in recs)
+            parts.append(
+                f"objects stored {sum(n or 0 for n in stored)}"
+                + (f", not stored {dropped}" if dropped else "")
+            )
+        restarts = sum(r.restarts for r in recs)
+        if restarts:
+            parts.append(f"restarts {restarts}")
+        lost = sum(1 for r in recs if r.lost)
+        if lost:
+            parts.append(f"lost {lost}")
+        lines.append(f"  {head:<{width}}{'; '.join(parts) or 'no figures'}")
+    lost_ids = [r.id for r in ctrl.records.values() if r.lost]
+    restarts = sum(r.restarts for r in ctrl.records.values())
+    verdict = (
+        f"{len(lost_ids)} of {len(ctrl.records)} devices lost"
+        if lost_ids
+        else f"{len(ctrl.records)} devices ended cleanly"
+    )
+    again = f", {restarts} restart{'s' if restarts != 1 else ''}" if restarts else ""
+    top = f"{ctrl.topology.name}: {verdict}{again} after {elapsed_s:.1f} s"
+    return [top, *lines]

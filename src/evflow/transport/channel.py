@@ -107,6 +107,9 @@ class Channel:
         self.socket = socket
         self.endpoints = endpoints
         self._ipc_files = ipc_files
+        #: session directories our connects made (the peer may never come): removed at
+        #: close when empty, as those of our binds are
+        self.ipc_dirs: set[Path] = set()
         self.messages_in = 0
         self.messages_out = 0
         self.bytes_in = 0
@@ -232,14 +235,14 @@ class Channel:
         for path in self._ipc_files:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
-        _remove_empty_parent(self._ipc_files)
+        _remove_empty_dirs({p.parent for p in self._ipc_files} | self.ipc_dirs)
 
 
-def _remove_empty_parent(files: list[Path]) -> None:
+def _remove_empty_dirs(dirs: set[Path]) -> None:
     from evflow.transport.paths import runtime_base_dir
 
     base = runtime_base_dir()
-    for parent in {p.parent for p in files}:
+    for parent in dirs:
         if parent.parent == base:
             with contextlib.suppress(OSError):
                 parent.rmdir()  # only succeeds when empty: other devices may share it
@@ -270,6 +273,7 @@ def open_channel(
     security = _security(config, index)  # loads and checks keys
     sock = context.socket(SOCKET_TYPES[config.type])
     ipc_files: list[Path] = []
+    ipc_dirs: set[Path] = set()
     endpoints: list[str] = []
     try:
         if security is not None:
@@ -292,6 +296,8 @@ def open_channel(
             method = ep.method or config.method
             url, ipc_file = resolve_for_socket(ep, session, label)
             if method == "connect":
+                if ipc_file is not None:
+                    ipc_dirs.add(ipc_file.parent)
                 if url.startswith("ipc://"):
                     # a peer on this host binds within milliseconds: retry at 10 ms
                     # (doubling up to libzmq's usual 100 ms) instead of 100 ms; a role
@@ -324,6 +330,7 @@ def open_channel(
         for path in ipc_files:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
+        _remove_empty_dirs({p.parent for p in ipc_files} | ipc_dirs)
         raise
     if config.transport == "shm":
         from evflow.transport.shm_channel import ShmChannel
@@ -332,6 +339,7 @@ def open_channel(
     else:
         channel = Channel(config, index, sock, endpoints, ipc_files)
     channel.security = security
+    channel.ipc_dirs = ipc_dirs
     log.debug("opened %r", channel)
     return channel
 

@@ -36,23 +36,12 @@ AUTO_TRIES = 100
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def parse_port(text: str) -> int | str:
-    """``--dashboard`` value: a port number or ``auto``."""
-    if text == "auto":
-        return "auto"
-    try:
-        port = int(text)
-    except ValueError:
-        raise ConfigurationError(
-            f"--dashboard {text!r}: expected a port number (1-65535) or 'auto'"
-        ) from None
-    if not 0 <= port <= 65535:
-        raise ConfigurationError(f"--dashboard {port}: a port is 1-65535 (or 'auto')")
-    return port
+def bind_socket(host: str, port: int | str, option: str = "--dashboard") -> socket.socket:
+    """A listening TCP socket on ``host:port``; ``"auto"``: the first free from 8050.
 
-
-def bind_socket(host: str, port: int | str) -> socket.socket:
-    """A listening TCP socket on ``host:port``; ``"auto"``: the first free from 8050."""
+    ``option``: the command-line option that gave the port (named in the error)."""
+    if port != "auto" and (type(port) is not int or not 0 <= port <= 65535):
+        raise ConfigurationError(f"dashboard: port {port!r}: expected 1-65535 or 'auto'")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     candidates = range(AUTO_FIRST_PORT, AUTO_FIRST_PORT + AUTO_TRIES) if port == "auto" else [port]
     last: OSError | None = None
@@ -77,7 +66,7 @@ def bind_socket(host: str, port: int | str) -> socket.socket:
         )
     raise ConfigurationError(
         f"dashboard: port {port} on {host} is in use by another program; "
-        f"choose another with --dashboard PORT, or --dashboard auto for the next free one"
+        f"choose another with {option} PORT, or {option} auto for the next free one"
     )
 
 
@@ -142,11 +131,13 @@ def start_dashboard(
     token: str | None = None,
     interval_s: float = 0.5,
     sock: socket.socket | None = None,
+    port_option: str = "--dashboard",
 ) -> Dashboard:
     """Collector on ``bus_endpoints`` + web server on ``host:port`` (see the module doc).
 
     ``sock``: a socket already bound with :func:`bind_socket` (then ``port`` is ignored),
     so that a caller can fail on a busy port before it starts anything else.
+    ``port_option``: the command-line option that gave the port (named in errors).
     """
     if repo is not None and not Path(repo).exists():
         raise ConfigurationError(
@@ -159,7 +150,7 @@ def start_dashboard(
     if run_info is not None:
         store.run_info = run_info
     if sock is None:
-        sock = bind_socket(host, port)
+        sock = bind_socket(host, port, port_option)
     real_port = sock.getsockname()[1]
     collector = None
     try:

@@ -49,7 +49,7 @@ from evflow.processing.parallel.notices import say as _say
 from evflow.processing.parallel.notices import stopping_line, warn_many_workers
 from evflow.processing.parallel.output import output_main
 from evflow.processing.parallel.restarts import RestartPolicy
-from evflow.processing.parallel.runsummary import RunSummaryMixin
+from evflow.processing.parallel.runsummary import LOST, RunSummaryMixin
 from evflow.processing.parallel.split import SplitPath
 from evflow.processing.statistics import ModuleStatistics
 from evflow.processing.summary import RunSummary
@@ -227,7 +227,7 @@ class Parent(ControlMixin, ExitPolicy, RunSummaryMixin):
         if self.error is not None:
             raise self.error
         summary = self._summary(wall_s)
-        lost = int(summary.counters.get("events lost", 0))
+        lost = int(summary.counters.get(LOST, 0))
         if lost and not self.signals:  # a run that lost events never ends as a success
             if not self.options.quiet:
                 summary.render(sys.stderr)

@@ -19,6 +19,11 @@ from evflow.processing.statistics import ModuleStatistics
 from evflow.processing.summary import RunSummary
 from evflow.wire.messages import BadMessageCounter
 
+#: the summary's counter of events read and never written (see ``_lost_label``)
+LOST = "events lost"
+RESUMABLE = "events not written (--resume completes them)"
+NOT_WRITTEN = "events not written (interrupted)"
+
 
 class RunSummaryMixin:
     """``_summary(wall_s)`` of ``engine.Parent`` (the attributes are the parent's)."""
@@ -59,6 +64,13 @@ class RunSummaryMixin:
         fates = sum(int(out.get(k, 0)) for k in ("written", "dropped", "quarantined"))
         return max(0, expected - fates)
 
+    def _lost_label(self) -> str:
+        """What the events read and never written are: lost, unless the run was stopped
+        (Ctrl-C, SIGTERM), when its checkpoint keeps them for ``--resume``."""
+        if not self.signals:
+            return LOST
+        return RESUMABLE if self.role_options.get("checkpoint") else NOT_WRITTEN
+
     def _summary(self, wall_s: float) -> RunSummary:
         inp = self.results.get("input", ({}, []))[0]
         out_header, out_payload = self.results.get("output", ({}, []))
@@ -94,7 +106,8 @@ class RunSummaryMixin:
             counters["event failures"] = int(ledger["failures"])
             # every event read was dropped by the input path or confirmed by the output
             lost = int(inp.get("read", 0)) - int(inp.get("dropped", 0)) - int(ledger["confirmed"])
-            counters["events lost"] = max(lost, int(ledger["unconfirmed"]), self._unwritten(inp))
+            lost = max(lost, int(ledger["unconfirmed"]), self._unwritten(inp))
+            counters[self._lost_label()] = lost
         if out_header.get("already_written"):
             counters["already in the output (resumed)"] = int(out_header["already_written"])
         counters.update(out_header.get("fills", {}))  # persistent deltas: fills.py

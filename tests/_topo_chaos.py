@@ -298,15 +298,38 @@ def channel_messages() -> list[list[Any]]:
     for _ in range(3):
         out.append(msg(MsgType.END, {"from": None}))
         out.append(msg(MsgType.END, {"from": "nobody", "count": 0}))
+    out += [qc_bomb(src) for src in ("producer_0", QC_LOWER[0], "nobody")]
     return out
+
+
+def qc_bomb(source: str) -> list[Any]:
+    """A QC publication of 1.4 kB whose 3D histogram declares 3 x 10^6 bins on two of
+    its axes (issue 21, defect 4: ``MemoryError: std::bad_alloc`` in the merger or the
+    repository): it must be refused before anything is allocated."""
+    import boost_histogram as bh
+    import msgpack
+
+    from evflow.qc.objects import encode_object
+
+    small = msgpack.unpackb(encode_object(bh.Histogram(*(bh.axis.Regular(3, 0, 1),) * 3)))
+    big = b"\xce" + (3_000_000).to_bytes(4, "big")
+    # two axes: 9 x 10^12 bins (std::bad_alloc); three would overflow size_t first
+    small["h"] = small["h"].replace(b"\xa4bins\x03", b"\xa4bins" + big, 2)  # values: 5x5x5
+    header = {
+        "qc": 1, "src": source, "path": "qc/toy/h3", "task": "toy", "name": "h3",
+        "run": QC_RUN, "cycle": 1, "seq": 1, "events": 1, "completeness": {},
+        "created": 0.0, "metadata": {},
+    }  # fmt: skip
+    return msg(MsgType.RESULT, header, [msgpack.packb(small)])
 
 
 class Hostile:
     """Sockets of a stranger on the session's ipc files (the owner's own user)."""
 
-    def __init__(self, runtime: Path, session: str) -> None:
+    def __init__(self, runtime: Path, session: str, extra: list[Path]) -> None:
         self.runtime = runtime
         self.session = session
+        self.extra = extra  # sockets outside the session directory (the builder's)
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.socks: list[zmq.Socket[Any]] = []
         self.sent = 0
@@ -329,7 +352,7 @@ class Hostile:
             self.sent += send(pub, frames)
 
     def channels(self) -> None:
-        for path in sorted(self.runtime.glob(f"{self.session}-*/*.ipc")):
+        for path in [*sorted(self.runtime.glob(f"{self.session}-*/*.ipc")), *self.extra]:
             dealer = self._sock(zmq.DEALER, path)
             for frames in channel_messages():
                 self.sent += send(dealer, frames)
@@ -501,7 +524,7 @@ class _Run:
             self.judge_end(code=self.proc.wait(), started=False, why=str(exc)[:300])
             return
         self.note("devices RUNNING")
-        hostile = Hostile(self.runtime, self.session)
+        hostile = Hostile(self.runtime, self.session, sorted(self.work.glob("*.ipc")))
         ended = told = False
         try:
             for at, what in self.plan.actions:

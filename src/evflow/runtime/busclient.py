@@ -256,6 +256,7 @@ class BusClient:
             "state": str(new) if new is not None else self._state(node),
             "previous": None if old is None else str(old),
             "ts": time.time(),
+            "pid": os.getpid(),  # the controller tells a new process from its dead one
         }
         self._send(MsgType.STATE, header)
 

@@ -146,6 +146,7 @@ class Agent:
                 before_launch=_restart_walked,
                 restart=str(launch.get("restart", "never")),
                 max_restarts=int(launch.get("max_restarts", 3)),
+                backoff_s=float(launch.get("restart_backoff_s", 0.1)),
                 stop_order=int(launch.get("stop_order", 0)),
                 grace_s=self.grace_s,
             ))  # fmt: skip
@@ -202,8 +203,10 @@ class Agent:
             restarts=event.restarts,
         )
         proc = self.sup.processes.get(event.name)
-        if proc is not None and proc.state == "running":  # restarted at once
-            entry.update(state="running", pid=proc.pid)
+        if proc is not None and proc.state == "running":
+            # restarted at once (a backoff that ran out before the callbacks): the new
+            # process and its restart count, or the controller never walks it
+            entry.update(state="running", pid=proc.pid, restarts=proc.restarts)
         self._next_beat = 0.0
 
     def _maybe_beat(self, agent_state: str = "RUNNING") -> None:
@@ -213,7 +216,9 @@ class Agent:
         self._next_beat = now + self.heartbeat_s
         for name, proc in self.sup.processes.items():  # restarts started by poll()
             entry = self.devices.setdefault(name, {})
-            if proc.state == "running" and entry.get("pid") != proc.pid:
+            if proc.state == "running" and (
+                entry.get("pid") != proc.pid or entry.get("restarts", 0) != proc.restarts
+            ):
                 entry.update(state="running", pid=proc.pid, restarts=proc.restarts)
         header = {
             "from": self.node_id,

@@ -124,7 +124,7 @@ class ControllerBus:
             return
         if msg.type is MsgType.STATE:
             rec = self.records.get(sender)
-            if rec is not None:
+            if rec is not None and not rec.from_old_process(header.get("pid")):
                 rec.see_state(str(header.get("state")))
                 self.changed = True
         elif msg.type is MsgType.METRICS:
@@ -142,7 +142,7 @@ class ControllerBus:
             self._agent_beat(sender[len(AGENT_PREFIX) :], metrics.get("agent"))
             return
         rec = self.records.get(sender)
-        if rec is None:
+        if rec is None or rec.from_old_process(metrics.get("pid")):
             return
         if header.get("final"):
             summary = header.get("summary")
@@ -179,15 +179,22 @@ class ControllerBus:
             if process != dev.process:
                 self.changed = True
             dev.process = process
-            dev.pid = entry.get("pid") if isinstance(entry.get("pid"), int) else dev.pid
+            pid = entry.get("pid")
+            # a new process: a higher restart count, or (should a beat carry a stale
+            # count) a new pid of a running device; either way it is walked again
+            restarts = int(entry.get("restarts") or 0)
+            renewed = isinstance(pid, int) and dev.pid is not None and pid != dev.pid
+            if process == "running" and (restarts > dev.restarts or renewed):
+                if dev.pid is not None and pid != dev.pid:
+                    dev.old_pids.add(dev.pid)
+                dev.rewalk, dev.rank, dev.state = True, -1, "RESTARTED"
+                dev.next_step_s = 0.0  # walked at once (its first step may be resent)
+                dev.step_rank = -2
+            dev.pid = pid if isinstance(pid, int) else dev.pid
             rc = entry.get("returncode")
             dev.returncode = rc if isinstance(rc, int) else dev.returncode
             dev.message = str(entry.get("message") or dev.message)
-            restarts = int(entry.get("restarts") or 0)
-            if restarts > dev.restarts and process == "running":
-                dev.rewalk, dev.rank, dev.state = True, -1, "RESTARTED"
-                dev.next_step_s = 0.0  # walked at once (its first step may be resent)
-            dev.restarts = restarts
+            dev.restarts = max(restarts, dev.restarts)
 
     def _reply(self, sender: str, header: dict[str, Any]) -> None:
         if sender.startswith(AGENT_PREFIX) and sender[len(AGENT_PREFIX) :] in self.hosts:
@@ -210,7 +217,7 @@ class ControllerBus:
             return
         if cmd in ("check-state", "ping"):
             state = data.get("node_state")
-            if isinstance(state, str):
+            if isinstance(state, str) and not rec.from_old_process(data.get("pid")):
                 rec.see_state(state)
                 self.changed = True
             self._endpoints(data.get("endpoints"))

@@ -54,6 +54,12 @@ class DeviceRecord:
     rewalk: bool = False
     next_step_s: float = 0.0
     step_rank: int = -2
+    #: pids of its dead processes: a word of theirs that arrives late (a STATE or
+    #: METRICS still in the bus proxy) must not count as the new process's
+    old_pids: set[int] = field(default_factory=set)
+
+    def from_old_process(self, pid: Any) -> bool:
+        return isinstance(pid, int) and pid in self.old_pids
 
     @property
     def id(self) -> str:

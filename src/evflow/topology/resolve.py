@@ -78,6 +78,7 @@ class ResolvedDevice:
     restart: str = "never"
     max_restarts: int = 3
     stop_order: int = 0
+    restart_backoff_s: float = 0.1
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -93,6 +94,7 @@ class ResolvedDevice:
             "restart": self.restart,
             "max_restarts": self.max_restarts,
             "stop_order": self.stop_order,
+            "restart_backoff_s": self.restart_backoff_s,
         }
 
     @classmethod
@@ -110,6 +112,7 @@ class ResolvedDevice:
             restart=str(data.get("restart", "never")),
             max_restarts=int(data.get("max_restarts", 3)),
             stop_order=int(data.get("stop_order", 0)),
+            restart_backoff_s=float(data.get("restart_backoff_s", 0.1)),
         )
 
 
@@ -234,6 +237,7 @@ def resolve(spec: TopologySpec) -> ResolvedTopology:
                 max_iterations=dev.max_iterations,
                 restart=dev.restart,
                 max_restarts=dev.max_restarts,
+                restart_backoff_s=dev.restart_backoff_s,
                 stop_order=dev.stop_order if dev.stop_order is not None else levels.get(dev_id, 0),
             )
     return ResolvedTopology(spec.name, spec.source, devices, hosts_ok, groups, consumers)

@@ -71,6 +71,7 @@ _DEVICE_KEYS = {
     "expendable",
     "restart",
     "max_restarts",
+    "restart_backoff_s",
     "rate",
     "max_iterations",
     "stop_order",
@@ -117,6 +118,7 @@ class DeviceSpec:
     expendable: bool = False
     restart: str = "never"
     max_restarts: int = 3
+    restart_backoff_s: float = 0.1
     rate: float = 0.0
     max_iterations: int = 0
     stop_order: int | None = None
@@ -333,6 +335,11 @@ def _device(name: str, entry: Any, source: str, collection: str | None) -> Devic
     rate = entry.get("rate", 0.0)
     if not isinstance(rate, int | float) or isinstance(rate, bool) or rate < 0:
         raise ConfigurationError(f"{where}: rate must be a number >= 0, got {rate!r}")
+    backoff = entry.get("restart_backoff_s", 0.1)
+    if not isinstance(backoff, int | float) or isinstance(backoff, bool) or backoff < 0:
+        raise ConfigurationError(
+            f"{where}: restart_backoff_s must be a number of seconds >= 0, got {backoff!r}"
+        )
     raw_channels = entry.get("channels", [])
     if not isinstance(raw_channels, list):
         raise ConfigurationError(f"{where}: channels must be a list of tables")
@@ -354,6 +361,7 @@ def _device(name: str, entry: Any, source: str, collection: str | None) -> Devic
         expendable=expendable,
         restart=restart,
         max_restarts=_int(entry, "max_restarts", 3, where),
+        restart_backoff_s=float(backoff),
         rate=float(rate),
         max_iterations=_int(entry, "max_iterations", 0, where),
         stop_order=_int(entry, "stop_order", None, where),

@@ -1,7 +1,7 @@
 """A chaos campaign against whole ``evflow up`` topologies: N runs per kind.
 
     python benchmarks/bench_topology_chaos.py [--runs 50] [--kinds data,qc,trigger]
-        [--seed 1000] [--budget-s 1200] [--no-hostile] [--no-controller]
+        [--seed 1000] [--budget-s 1200] [--no-hostile] [--no-controller] [--all-victims]
 
 Each run is one seeded plan of tests/_topo_chaos.py (the harness of
 tests/test_topology_chaos.py): devices SIGKILLed at random moments (each kind's
@@ -12,8 +12,10 @@ failed one with what it did and evflow up's last lines) and a table per kind: ru
 device kills, controller SIGINTs and SIGKILLs, hostile messages, and the outcomes:
 passed (exact counts), clear error (one error line naming a device), hang, wrong
 result (exit 0, counts or QC objects wrong), unclear error, runs with leftovers.
-Kinds take turns run by run, so that a budget cut leaves them even; no new run starts
-after ``--budget-s``. Replay one run: ``--kinds K --seed S --runs 1``.
+``--all-victims`` also kills the devices of open defects the harness found
+(``EXCLUDED`` in tests/_topo_chaos.py, each with its reason). Kinds take turns run
+by run, so that a budget cut leaves them even; no new run starts after ``--budget-s``.
+Replay one run: ``--kinds K --seed S --runs 1``.
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=1200.0, help="no new run after this")
     ap.add_argument("--no-hostile", action="store_true", help="no hostile messages")
     ap.add_argument("--no-controller", action="store_true", help="never signal the controller")
+    ap.add_argument(
+        "--all-victims", action="store_true", help="also the devices of known open defects"
+    )
     args = ap.parse_args()
     kinds = [k for k in args.kinds.split(",") if k]
     hostile = () if args.no_hostile else ("bus", "channels")
@@ -70,7 +75,13 @@ def main() -> int:
         for kind in kinds:
             if time.monotonic() - t0 > args.budget_s:
                 break
-            plan = plan_run(kind, args.seed + i, hostile=hostile, controller=not args.no_controller)
+            plan = plan_run(
+                kind,
+                args.seed + i,
+                hostile=hostile,
+                controller=not args.no_controller,
+                all_victims=args.all_victims,
+            )
             out = run_once(plan)
             done[kind].append(out)
             print(out.line() if out.ok else out.report(), flush=True)

@@ -199,6 +199,16 @@ VICTIMS = {
     "qc": [*QC_PRODUCERS, *QC_LOWER, QC_TOP, "repository"],
     "trigger": ["replay", "eventbuilder", "sink"],
 }
+#: victims left out of the plans unless asked for (``all_victims``): defects found by
+#: this harness and not fixed yet, each named (the campaign's ``--all-victims`` runs them)
+EXCLUDED = {
+    # a SIGKILLed event builder is restarted, but the replay's fragment senders said
+    # HELLO to the dead one and never again: the new builder grants no credit, the
+    # replay waits for credit for ever, the topology never ends (hlt/links.py has no
+    # re-HELLO, and a restarted builder cannot learn which streams already ended).
+    # Replay: EVFLOW_CHAOS_SEED=2, plan_run("trigger", 2, victims=["eventbuilder"])
+    "eventbuilder": "restarted event builder: no HELLO, no credit, the replay waits for ever",
+}
 #: every device id of each kind (a clear error names one of these, or the host)
 DEVICES = {
     "data": VICTIMS["data"],
@@ -240,6 +250,7 @@ def plan_run(
     hostile: tuple[str, ...] = ("bus", "channels"),
     controller: bool = True,
     victims: list[str] | None = None,
+    all_victims: bool = False,
 ) -> Plan:
     """A seeded plan: 1-3 device kills at random moments of the flow (none past
     ``MAX_KILLS`` per device), a few hostile bursts on the bus and on every channel,
@@ -248,8 +259,10 @@ def plan_run(
     flow = FLOW_S[kind]
     kills: Counter[str] = Counter()
     actions: list[tuple[float, str]] = []
+    if victims is None:
+        victims = [d for d in VICTIMS[kind] if all_victims or d not in EXCLUDED]
     for _ in range(rng.randint(1, 3)):
-        dev = rng.choice([d for d in victims or VICTIMS[kind] if kills[d] < MAX_KILLS])
+        dev = rng.choice([d for d in victims if kills[d] < MAX_KILLS])
         kills[dev] += 1
         actions.append((rng.uniform(0.2, flow), dev))
     for target in ("bus", "channels"):  # (drawn alike, whatever is asked: same moments)

@@ -210,6 +210,9 @@ EXCLUDED = {
     # Replay: EVFLOW_CHAOS_SEED=2, plan_run("trigger", 2, victims=["eventbuilder"])
     "eventbuilder": "restarted event builder: no HELLO, no credit, the replay waits for ever",
 }
+#: devices (by name, without the instance number) whose sockets the hostile channel
+#: bursts leave alone, each for a defect not fixed yet
+SPARED: dict[str, str] = {}
 #: devices that only send: killing them loses nothing (the new process sends its
 #: stream again and announces what it sent), so a run that killed only these (or
 #: nothing) must end with exact counts; an error line is then a wrong result
@@ -369,11 +372,19 @@ class Hostile:
         for frames in bus_messages(self.session):
             self.sent += send(pub, frames)
 
-    def channels(self) -> None:
+    def channels(self, owners: dict[str, str]) -> list[str]:
+        """Garbage to every ipc socket but those of devices in SPARED; returns the
+        targets by device (``owners``: path -> the device that bound it)."""
+        hit = []
         for path in [*sorted(self.runtime.glob(f"{self.session}-*/*.ipc")), *self.extra]:
+            owner = owners.get(str(path), "?")
+            if owner.rstrip("0123456789").rstrip("_") in SPARED:
+                continue
             dealer = self._sock(zmq.DEALER, path)
             for frames in channel_messages():
                 self.sent += send(dealer, frames)
+            hit.append(owner)
+        return hit
 
     def close(self) -> None:
         for s in self.socks:
@@ -480,6 +491,16 @@ class _Run:
         self.seen_pids.update(kids)
         return kids
 
+    def socket_owners(self) -> dict[str, str]:
+        """ipc path -> the process name (device id) that bound it."""
+        owners = {}
+        for p in self.tree():
+            with contextlib.suppress(psutil.Error):
+                for conn in p.net_connections(kind="unix"):
+                    if conn.laddr:
+                        owners[str(conn.laddr)] = p.name()
+        return owners
+
     def pid_of(self, dev: str) -> psutil.Process | None:
         for p in self.tree():
             try:
@@ -511,8 +532,8 @@ class _Run:
             self.note(f"{hostile.sent - before} hostile messages on the bus")
         elif what == "hostile:channels":
             before = hostile.sent
-            hostile.channels()
-            self.note(f"{hostile.sent - before} hostile messages on the channels")
+            hit = hostile.channels(self.socket_owners())
+            self.note(f"{hostile.sent - before} hostile messages to {', '.join(sorted(hit))}")
         elif what.startswith("controller:"):
             self.tree()  # (every process it had, for the leftover check)
             sig = signal.SIGINT if what.endswith("SIGINT") else signal.SIGKILL

@@ -12,9 +12,10 @@ failed one with what it did and evflow up's last lines) and a table per kind: ru
 device kills, controller SIGINTs and SIGKILLs, hostile messages, and the outcomes:
 passed (exact counts), clear error (one error line naming a device), hang, wrong
 result (exit 0, counts or QC objects wrong), unclear error, runs with leftovers.
-``--all-victims`` also kills the devices of open defects the harness found
-(``EXCLUDED`` in tests/_topo_chaos.py, each with its reason). Kinds take turns run
-by run, so that a budget cut leaves them even; no new run starts after ``--budget-s``.
+``--all-victims`` also kills and attacks the devices of open defects the harness
+found (``EXCLUDED`` and ``SPARED`` in tests/_topo_chaos.py, each with its reason).
+Kinds take turns run by run, so that a budget cut leaves them even; no new run starts
+after ``--budget-s``.
 Replay one run: ``--kinds K --seed S --runs 1``.
 """
 
@@ -29,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+import _topo_chaos
 from _topo_chaos import KINDS, Outcome, plan_run, run_once
 
 RESULTS = ("passed", "clear error", "hang", "wrong result", "unclear error")
@@ -62,10 +64,14 @@ def main() -> int:
     ap.add_argument("--no-hostile", action="store_true", help="no hostile messages")
     ap.add_argument("--no-controller", action="store_true", help="never signal the controller")
     ap.add_argument(
-        "--all-victims", action="store_true", help="also the devices of known open defects"
+        "--all-victims",
+        action="store_true",
+        help="also kill and attack the devices of open defects (EXCLUDED, SPARED)",
     )
     args = ap.parse_args()
     kinds = [k for k in args.kinds.split(",") if k]
+    if args.all_victims:
+        _topo_chaos.SPARED.clear()
     hostile = () if args.no_hostile else ("bus", "channels")
     t0 = time.monotonic()
     done: dict[str, list[Outcome]] = defaultdict(list)

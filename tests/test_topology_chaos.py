@@ -380,7 +380,7 @@ def test_random_kills_of_a_running_topology_restart_and_data_flows_again(
 # ``benchmarks/bench_topology_chaos.py`` runs the same plans by the dozen.
 
 #: runs per kind in CI: seeds DEFAULT_SEED (or EVFLOW_CHAOS_SEED) + 0 .. RUNS_PER_KIND-1
-RUNS_PER_KIND = 3
+RUNS_PER_KIND = 4
 
 
 @pytest.mark.chaos

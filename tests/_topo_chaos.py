@@ -209,11 +209,6 @@ EXCLUDED = {
     # re-HELLO, and a restarted builder cannot learn which streams already ended).
     # Replay: EVFLOW_CHAOS_SEED=2, plan_run("trigger", 2, victims=["eventbuilder"])
     "eventbuilder": "restarted event builder: no HELLO, no credit, the replay waits for ever",
-    # a restarted qc-producer starts from nothing: what its sources sent to the dead
-    # one is gone, and the topology exits 0 with objects short of the sequential fill
-    # (issue 21, defect 2, fixed for the sink and the forwarders, not for the
-    # producer). Replay: plan_run("qc", 3) before this exclusion
-    **{p: "restarted qc-producer: events lost, exit 0" for p in QC_PRODUCERS},
 }
 #: devices (by name, without the instance number) whose sockets the hostile channel
 #: bursts leave alone, each for a defect not fixed yet
@@ -227,11 +222,6 @@ SPARED = {
     "merger": "forwarders forward and count non-data garbage",
     "proxy": "forwarders forward and count non-data garbage",
     "splitter": "forwarders forward and count non-data garbage",
-    # the qc-producer counts any END on its data-in, from anyone and repeated (issue
-    # 21, defect 3, fixed for the sink, the forwarders and the repository, not here):
-    # it stops early and the topology exits 0 with objects short of the sequential
-    # fill (CI seed 19 of the QC kind: h1 sum 22620 of 32000)
-    "producer": "qc-producer counts forged ENDs",
 }
 #: devices that only send: killing them loses nothing (the new process sends its
 #: stream again and announces what it sent), so a run that killed only these (or

@@ -364,3 +364,37 @@ def test_random_kills_of_a_running_topology_restart_and_data_flows_again(
         proc.communicate()  # reaps it and closes its pipes, also after a failure
     print("\n".join(chaos.log))
     assert sum(chaos.killed.values()) >= 6, chaos.killed
+
+
+# --- whole topologies, from start to end (issue 21, "A chaos test for topologies") ------
+#
+# Three kinds of ``evflow up`` topology, every device ``restart = "on-failure"``: data
+# (3 samplers -> merger -> proxy -> splitter -> sink), QC (4 toy sources -> 4
+# producers -> 2 mergers -> 1 -> a repository, the mergers checkpointing) and the
+# trigger chain (replay as 3 fragment streams -> event builder -> sink). Each run
+# follows a seeded plan (tests/_topo_chaos.py): devices SIGKILLed at random moments,
+# hostile messages on the bus and on every data and qc-in socket, and in about one run
+# of four the controller SIGINTed or SIGKILLed. Each must end within END_BOUND_S with
+# exact counts (sink received = announced; QC: the final objects equal the sequential
+# fill bin by bin) or with one error line naming a device, and leave nothing behind.
+# ``benchmarks/bench_topology_chaos.py`` runs the same plans by the dozen.
+
+#: runs per kind in CI: seeds DEFAULT_SEED (or EVFLOW_CHAOS_SEED) + 0 .. RUNS_PER_KIND-1
+RUNS_PER_KIND = 4
+
+
+@pytest.mark.chaos
+@pytest.mark.timeout(300)  # a run's own bounds: END_BOUND_S, 30 s for a Ctrl-C, the cleanup
+@pytest.mark.parametrize("kind", ["data", "qc", "trigger"])
+@pytest.mark.parametrize("i", range(RUNS_PER_KIND))
+def test_chaos_runs_of_whole_topologies_end_exactly_or_with_one_clear_error(
+    kind: str, i: int
+) -> None:
+    from _topo_chaos import chaos_seed, plan_run, run_once
+
+    seed = chaos_seed() + i
+    plan = plan_run(kind, seed)
+    print(f"chaos seed {seed} (EVFLOW_CHAOS_SEED={seed - i} replays it): {plan.describe()}")
+    out = run_once(plan)
+    print(out.line())
+    assert out.ok, f"EVFLOW_CHAOS_SEED={seed - i} replays it: " + out.report()

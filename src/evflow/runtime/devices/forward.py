@@ -1,10 +1,11 @@
 """Forwarding devices: ``splitter`` (1 -> n round robin), ``merger`` (n -> 1), ``proxy``.
 
-Each forwards every message from ``data-in`` to ``data-out`` except END, which it
+Each forwards every data (EVENTS) message from ``data-in`` to ``data-out``; END it
 acknowledges upstream at once (the data before it is already here). When the last
 expected END arrived, it sends END with its own counts on every output and waits for
 their ACKs before it stops. Either side may be raw (FairMQ's wire): raw input is
-forwarded as data; only data goes out on a raw output.
+forwarded as data; only data goes out on a raw output. Any other message type on
+the input (a stranger's HELLO, READY, ...) is refused and counted, never forwarded.
 """
 
 from __future__ import annotations
@@ -67,6 +68,13 @@ class _Forwarder(EndTracker, Device):
             acknowledge(self, msg, origin, count=self.received)
             return self.ends < self._needed
         if msg.type is MsgType.ACK:
+            return True
+        if msg.type is not MsgType.EVENTS:
+            # only data travels on: a stranger's HELLO or READY passed on would be
+            # counted as data and fail every count check downstream
+            self.bad_messages[origin.channel.label].record(
+                "not-data", f"{msg.type.name} on a data channel, not forwarded"
+            )
             return True
         i = self._pick()
         self.received += 1

@@ -38,9 +38,9 @@ def evflow(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str
     )
 
 
-def start_up(*args: str) -> subprocess.Popen[str]:
+def start_up(*args: str, quiet: bool = True) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "evflow", "up", "--quiet", *args],
+        [sys.executable, "-m", "evflow", "up", *(["--quiet"] if quiet else []), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -159,7 +159,10 @@ def test_lost_host_with_expendable_devices_lets_the_rest_finish(tmp_path: Path, 
     topo, hosts = slow_topology(tmp_path, expendable=True, far_messages=0)
     out = tmp_path / "stats"
     session = f"loss{how}"
-    proc = start_up(str(topo), "--hosts", str(hosts), "--session", session, "--stats-dir", str(out))
+    proc = start_up(
+        str(topo), "--hosts", str(hosts), "--session", session, "--stats-dir", str(out),
+        quiet=False,
+    )  # fmt: skip
     lines = Lines(proc)
     try:
         lines.wait_for("devices RUNNING", 60)
@@ -185,6 +188,10 @@ def test_lost_host_with_expendable_devices_lets_the_rest_finish(tmp_path: Path, 
     assert found["merger"]["forwarded"]["lost_peers"] == ["far_0", "far_1"]
     for dev in ("sampler_0", "sampler_1"):
         assert found[dev]["sampler"]["sent"] == 1000 and found[dev]["sampler"]["acked"] == 1
+    # the end summary counts the two lost samplers (they sent no figures of their own)
+    assert "slow: 2 of 6 devices lost after " in text, text
+    kind = r"\n  sampler x4 +messages in \d+, out \d+ \(2 sent no figures\); lost 2\n"
+    assert re.search(kind, text), text
 
 
 def test_lost_host_below_n_min_stops_the_topology_with_one_message(tmp_path: Path) -> None:
@@ -332,8 +339,9 @@ def test_killed_device_is_restarted_and_walked_back_to_running(tmp_path: Path) -
     out = tmp_path / "stats"
     session = "restart"
     proc = start_up(
-        str(topo), "-v", "--hosts", str(hosts), "--session", session, "--stats-dir", str(out)
-    )
+        str(topo), "-v", "--hosts", str(hosts), "--session", session, "--stats-dir", str(out),
+        quiet=False,
+    )  # fmt: skip
     lines = Lines(proc)
     try:
         lines.wait_for("devices RUNNING", 60)
@@ -352,6 +360,9 @@ def test_killed_device_is_restarted_and_walked_back_to_running(tmp_path: Path) -
     assert found["sampler_1"]["sampler"]["acked"] == 1
     sink = found["sink"]["sink"]
     assert sink["received"] == sink["announced"] >= 2000
+    # the end summary counts the restart (and no loss: the new process ended cleanly)
+    assert "slow: 6 devices ended cleanly, 1 restart after " in text, text
+    assert re.search(r"\n  sampler x4 +messages in \d+, out \d+; restarts 1\n", text), text
 
 
 def test_an_agent_that_cannot_start_is_one_error_naming_the_host(tmp_path: Path) -> None:

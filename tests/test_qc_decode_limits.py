@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from evflow.errors import CodecError
 from evflow.processing.parallel.deltas import DeltaEncoder, DeltaMerger
-from evflow.processing.parallel.histlimits import HistogramLimits
+from evflow.processing.parallel.histlimits import HistogramLimits, current_limits
 from evflow.processing.parallel.persist import decode_persistent, encode_persistent
 from evflow.qc.layers import build_layers, launch_layers
 from evflow.qc.objects import decode_object, encode_object
@@ -85,7 +85,10 @@ def test_the_campaigns_bomb_is_a_codec_error_naming_the_limit() -> None:
 
 @pytest.mark.parametrize("kind", ["h", "x"])
 def test_bombs_in_a_delta_spec_are_codec_errors(kind: str) -> None:
+    # a QC merger's limits; the parallel engine's (no cap) still wants the bins
     with pytest.raises(CodecError, match="refused"):
+        DeltaMerger(current_limits()).decode(bomb_delta_frames(kind))
+    with pytest.raises(CodecError, match="without its bins"):
         DeltaMerger().decode(bomb_delta_frames(kind))
 
 
@@ -101,7 +104,8 @@ def test_a_small_description_without_its_bins_is_refused() -> None:
     uhi = bomb_uhi(1, 900_000)
     uhi["storage"]["values"] = {"__nd__": 0, "dtype": "<f8", "shape": [10]}
     head = msgpack.packb({"v": 1, "items": [["o", "bh", uhi]]})
-    with pytest.raises(CodecError, match="do not fit its 1 axes"):
+    with pytest.raises(CodecError, match=r"bins 'values' of shape \(10,\), its axes make "
+                                         r"\(900002,\)"):  # fmt: skip
         decode_persistent(head, frames)
 
 
@@ -131,6 +135,12 @@ def test_limits_are_parameters_and_the_defaults_hold_real_histograms() -> None:
         decode_persistent(head, frames, HistogramLimits(max_cells=10_000))
     with pytest.raises(CodecError, match="2 axes refused"):
         decode_persistent(head, frames, HistogramLimits(max_axes=1))
+    # the parallel engine's own objects: no cap (the bins came with them)
+    big = hist.Hist.new.Reg(20_000, 0, 1).Double()
+    head, frames, _ = encode_persistent({"h": big})
+    assert decode_persistent(head, frames)["h"] == big
+    with pytest.raises(CodecError, match="20002 cells"):
+        decode_object(encode_object(big), HistogramLimits(max_cells=20_000))
     two = encode_persistent({"a": 1, "b": 2})
     with pytest.raises(CodecError, match="2 items"):
         decode_persistent(two[0], two[1], HistogramLimits(max_objects=1))
@@ -152,6 +162,13 @@ def _every_axis_kind() -> list[Any]:
             *(bh.axis.Regular(2, 0, 1, underflow=False, overflow=False) for _ in range(16))
         ),
     ]
+    out += [
+        bh.Histogram(bh.axis.Regular(4, 0, 1, circular=True), bh.axis.Integer(0, 3, circular=True)),
+        bh.Histogram(bh.axis.Variable([0, 1, 2], circular=True), storage=bh.storage.Weight()),
+        hist.Hist.new.Reg(5, 0, 1, name="pt", label="p_T").StrCat([], growth=True).Double(),
+        bh.Histogram(),  # no axis: one cell
+    ]
+    out[-2].fill([0.5, 0.7], ["a", "b"])
     out[0].fill(x * 100)
     out[3].fill(x, sample=x)
     out[4].fill(x, sample=x, weight=x + 1)  # (empty, its variance comes back NaN)
@@ -159,14 +176,28 @@ def _every_axis_kind() -> list[Any]:
 
 
 @pytest.mark.parametrize(
-    "h", _every_axis_kind(), ids=["log", "int-bool", "cat", "var-mean", "wmean", "growth", "16d"]
+    "h",
+    _every_axis_kind(),
+    ids=[
+        "log",
+        "int-bool",
+        "cat",
+        "var-mean",
+        "wmean",
+        "growth",
+        "16d",
+        "circular",
+        "var-circular",
+        "named-growing-cat",
+        "no-axis",
+    ],
 )
 def test_every_axis_and_storage_kind_still_round_trips(h: Any) -> None:
     same(decode_object(encode_object(h)), h)
     # and as a delta of the parallel engine (its spec travels without bins)
     frames = DeltaEncoder().snapshot({"h": h})
     if frames is not None:
-        merger = DeltaMerger()
+        merger = DeltaMerger(current_limits())
         merger.merge(frames)
         same(merger.merged["h"], h)
 
@@ -279,8 +310,9 @@ def test_random_histogram_headers_raise_nothing_but_codec_error(
     spec = msgpack.packb([msgpack.packb({"v": 1, "items": [["t", kind, uhi]]}),
                           *[len(f) for f in frames]])  # fmt: skip
     for item, extra in ((["h", "h", spec, 1], frames[:1] or [b""]), (["x", "x", spec], [])):
-        with contextlib.suppress(CodecError):
-            DeltaMerger().decode([msgpack.packb({"v": 1, "items": [item]}), *extra])
+        for merger in (DeltaMerger(), DeltaMerger(current_limits())):
+            with contextlib.suppress(CodecError):
+                merger.decode([msgpack.packb({"v": 1, "items": [item]}), *extra])
 
 
 # --- real devices ----------------------------------------------------------------------

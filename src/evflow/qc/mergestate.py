@@ -67,10 +67,10 @@ class TaskState:
     """The objects of one task: integral, this cycle's part (for the window), latest full."""
 
     def __init__(self, window_cycles: int) -> None:
-        self.integral = DeltaMerger()
+        self.integral = DeltaMerger(current_limits())
         self.integral_events = 0
         self.window_cycles = window_cycles
-        self.cycle = DeltaMerger() if window_cycles else None
+        self.cycle = DeltaMerger(current_limits()) if window_cycles else None
         self.cycle_events = 0
         self.window: deque[tuple[dict[str, Any], int]] = deque(maxlen=max(window_cycles, 1))
         # full-object mode: source -> (events, name -> object)
@@ -431,7 +431,7 @@ class MergeState:
                 )
             if state.cycle is not None:
                 state.window.append((state.cycle.merged, state.cycle_events))
-                state.cycle, state.cycle_events = DeltaMerger(), 0
+                state.cycle, state.cycle_events = DeltaMerger(current_limits()), 0
                 window: dict[str, Any] = {}
                 w_events = 0
                 for objs, n in state.window:
@@ -462,7 +462,7 @@ class MergeState:
         if self.reset_every and self.cycle % self.reset_every == 0:
             self.resets += 1
             for state in self.tasks.values():
-                state.integral, state.integral_events = DeltaMerger(), 0
+                state.integral, state.integral_events = DeltaMerger(current_limits()), 0
                 state.checked.clear()
                 state.reset_base = snapshot(state.latest)
         return out

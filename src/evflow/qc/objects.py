@@ -34,6 +34,7 @@ from evflow.errors import (
     IncompatibleObjectsError,
     NotMergeableError,
 )
+from evflow.processing.parallel.histlimits import HistogramLimits, current_limits
 from evflow.processing.parallel.persist import decode_persistent, encode_persistent
 from evflow.qc.recordbatch import ConcatArray, RecordBatch
 
@@ -101,8 +102,10 @@ def _decode_batch(outer: dict[Any, Any]) -> RecordBatch:
     return out
 
 
-def decode_object(data: bytes | memoryview) -> Any:
-    """Inverse of ``encode_object``; raises CodecError for bytes that are not one."""
+def decode_object(data: bytes | memoryview, limits: HistogramLimits | None = None) -> Any:
+    """Inverse of ``encode_object``; raises CodecError for bytes that are not one, and
+    for a histogram beyond ``limits`` (default: ``current_limits()``, see
+    :mod:`evflow.processing.parallel.histlimits`)."""
     try:
         outer = msgpack.unpackb(data)
         if not isinstance(outer, dict) or outer.get("qv") != OBJECT_FORMAT_VERSION:
@@ -115,7 +118,8 @@ def decode_object(data: bytes | memoryview) -> Any:
             if outer["k"] not in _BATCH_KINDS:
                 raise CodecError(f"QC object of unknown kind {outer['k']!r:.40}")
             return _decode_batch(outer)
-        return decode_persistent(outer["h"], list(outer["f"]))[_NAME]
+        lim = limits or current_limits()
+        return decode_persistent(outer["h"], list(outer["f"]), lim)[_NAME]
     except CodecError:
         raise
     except (

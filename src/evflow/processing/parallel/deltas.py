@@ -41,7 +41,7 @@ import msgpack
 import numpy as np
 
 from evflow.errors import CodecError, ConfigurationError
-from evflow.processing.parallel.histlimits import current_limits
+from evflow.processing.parallel.histlimits import ENGINE_LIMITS, HistogramLimits
 from evflow.processing.parallel.persist import (
     decode_persistent,
     encode_persistent,
@@ -84,7 +84,7 @@ def _pack_spec(obj: Any) -> bytes:
     return msgpack.packb([head, *packed])
 
 
-def _unpack_spec(spec: bytes, zero_limit: int) -> tuple[Any, int]:
+def _unpack_spec(spec: bytes, zero_limit: int, limits: HistogramLimits) -> tuple[Any, int]:
     """The histogram of a spec and the zero bytes it asked for. ``zero_limit``: the most
     zero bytes the spec may ask for in all. A spec comes from a peer: without a limit a
     few hundred bytes could make us allocate gigabytes."""
@@ -99,7 +99,7 @@ def _unpack_spec(spec: bytes, zero_limit: int) -> tuple[Any, int]:
                 )
             asked += frame
             frames[i] = bytes(frame)
-    return decode_persistent(head, frames)["t"], asked
+    return decode_persistent(head, frames, limits)["t"], asked
 
 
 class _HistEntry:
@@ -204,9 +204,12 @@ class DeltaMerger:
     ``not_merged`` instead of raising, so a bad peer never stops the output.
     """
 
-    __slots__ = ("_plans", "_targets", "_templates", "merged", "not_merged")
+    __slots__ = ("_plans", "_targets", "_templates", "limits", "merged", "not_merged")
 
-    def __init__(self) -> None:
+    def __init__(self, limits: HistogramLimits | None = None) -> None:
+        #: what a decoded histogram may declare (default ``ENGINE_LIMITS``; QC mergers
+        #: pass ``current_limits()``)
+        self.limits = limits or ENGINE_LIMITS
         self.merged: dict[str, Any] = {}
         self.not_merged: set[str] = set()
         # spec -> (empty histogram, bin dtype, bin shape)
@@ -222,7 +225,7 @@ class DeltaMerger:
         spec holds no more zeros than that (kept templates stay bounded by what came)."""
         found = self._templates.get(spec)
         if found is None:
-            tmpl, _ = _unpack_spec(spec, bins)
+            tmpl, _ = _unpack_spec(spec, bins, self.limits)
             if not isinstance(tmpl, _bh().Histogram):
                 raise CodecError("histogram delta spec does not describe a histogram")
             if len(self._templates) > 4096:  # growing axes make new specs: stay bounded
@@ -253,7 +256,7 @@ class DeltaMerger:
         if type(head) is not dict or head.get("v") != DELTA_VERSION:
             raise CodecError(f"persistent delta of unknown format {head!r:.60}")
         items = head.get("items")
-        max_objects = current_limits().max_objects
+        max_objects = self.limits.max_objects
         if type(items) is not list or len(items) > max_objects:
             count = len(items) if type(items) is list else None
             raise CodecError(f"persistent delta of {count!r} items (at most {max_objects})")
@@ -275,7 +278,7 @@ class DeltaMerger:
                 continue
             plan = None  # other kinds carry values in the head: no reusable plan
             if kind == "x":
-                whole, asked = _unpack_spec(bytes(item[2]), x_zeros)
+                whole, asked = _unpack_spec(bytes(item[2]), x_zeros, self.limits)
                 x_zeros -= asked
                 out.append((name, kind, whole))
             elif kind == "nd":

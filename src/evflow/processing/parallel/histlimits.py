@@ -1,18 +1,21 @@
 """Size limits a histogram description from a peer must keep before it is built.
 
 ``boost_histogram.serialization.from_uhi`` allocates every bin the axes declare before
-it looks at the bins that came with them: a 300-byte description of two axes of
-3 x 10^6 bins asks for 7 x 10^13 cells and the process dies of ``std::bad_alloc``.
+it looks at the bins that came with them: a 240-byte description of two axes of
+3 x 10^6 bins asks for 9 x 10^12 cells and the process dies of ``std::bad_alloc``.
 :func:`check_histogram` reads the declared axes first and refuses, with
 :class:`CodecError`, a description
 
-- with more axes than ``max_axes`` or more cells (flow bins included) than ``max_cells``;
-- of an axis or storage kind it does not know, or sizes that are not ints >= 0;
-- without its bins, or whose bins are fewer than the axes declare (what a histogram
-  keeps is then never more than the bytes that came with it).
+- of an axis or storage kind it does not know, or sizes and flags of the wrong type;
+- without its bins, or whose bins have another shape than its axes make: what a
+  histogram holds is then exactly the bytes that came with it;
+- with more axes than ``max_axes`` or more cells (flow bins included) than
+  ``max_cells``.
 
-The limits come from the environment (read once per process; see
-:func:`current_limits`), or are passed explicitly.
+QC decoding (mergers, the repository, the viewer) uses :func:`current_limits`: the
+defaults, or the environment. The parallel engine's own persistent objects (between
+the processes of one run) use :data:`ENGINE_LIMITS`: only the bins must come along, a
+histogram may be as large as the user books it.
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ import numpy as np
 from evflow.errors import CodecError, ConfigurationError
 
 __all__ = [
+    "ENGINE_LIMITS",
     "ENV_MAX_AXES",
     "ENV_MAX_CELLS",
     "ENV_MAX_OBJECTS",
     "HistogramLimits",
+    "axis_extent",
     "check_histogram",
     "current_limits",
 ]
@@ -42,6 +47,8 @@ ENV_MAX_OBJECTS = "EVFLOW_MAX_QC_OBJECTS"
 
 #: boost-histogram refuses 32 axes or more
 _AXES_CEILING = 31
+#: transforms a Regular axis is rebuilt with from its writer_info
+_TRANSFORMS = ("pow", "log", "sqrt")
 
 # the storage arrays of each UHI storage type (all of one shape: the axes' extents)
 _STORAGE_KEYS: dict[str, tuple[str, ...]] = {
@@ -94,6 +101,10 @@ def _env_int(name: str, default: int) -> int:
     return value
 
 
+#: the parallel engine's persistent objects: bins backed by the bytes received, no cap
+ENGINE_LIMITS = HistogramLimits(max_cells=1 << 62, max_axes=_AXES_CEILING, max_objects=1 << 31)
+
+
 @lru_cache(maxsize=1)
 def current_limits() -> HistogramLimits:
     """The limits of this process: the defaults, or ``EVFLOW_MAX_HIST_CELLS``,
@@ -119,47 +130,41 @@ def _length(value: Any, what: str) -> int:
     return len(value)
 
 
-def _flow(ax: dict[Any, Any], *keys: str) -> tuple[int, int]:
-    """(fewest, most) flow bins the flags ``keys`` of ``ax`` may add (a flag that is not
-    a bool may still be read as one)."""
-    values = [ax.get(k) for k in keys]
-    return sum(v is True for v in values), sum(v is not False for v in values)
+def _flag(ax: dict[Any, Any], key: str) -> int:
+    value = ax.get(key)
+    if type(value) is not bool:  # (boost-histogram reads any object as a bool)
+        raise CodecError(f"histogram axis flag {key!r} is {value!r:.40}, expected a bool")
+    return int(value)
 
 
-def _axis_bins(ax: Any) -> tuple[int, int]:
-    """(fewest, most) cells the axis ``ax`` (a UHI dict) may have, flow bins included.
-
-    Every reading ``from_uhi`` may take is counted (an Integer axis or a transformed
-    Regular one declares its bins twice), so the true size lies in between.
-    """
+def axis_extent(ax: Any) -> int:
+    """The cells, flow bins included, of the axis that ``from_uhi`` builds from the UHI
+    dict ``ax`` (read as boost-histogram reads it: a transformed Regular axis from its
+    writer_info, with both flow bins)."""
     if type(ax) is not dict:
         raise CodecError(f"histogram axis is a {type(ax).__name__}, expected a map")
     info = ax.get("writer_info", {})
-    mine = info.get("boost-histogram", {}) if type(info) is dict else {}
+    mine = info.get("boost-histogram", {}) if type(info) is dict else None
     if type(mine) is not dict:
         raise CodecError("histogram axis with a malformed writer_info")
+    if mine.get("transform") in _TRANSFORMS:
+        return _count(mine.get("bins"), "transformed axis bins") + 2
     kind = ax.get("type")
-    under_over = _flow(ax, "underflow", "overflow")
     if kind == "regular":
-        readings = [(_count(ax.get("bins"), "axis bins"), under_over)]
-    elif kind == "variable":
-        readings = [(max(_length(ax.get("edges"), "axis edges") - 1, 0), under_over)]
-    elif kind in ("category_int", "category_str"):
-        readings = [(_length(ax.get("categories"), "axis categories"), _flow(ax, "flow"))]
-    elif kind == "boolean":
-        readings = [(2, (0, 0))]
-    else:
-        raise CodecError(f"histogram axis of unknown type {kind!r:.40}")
-    if mine.get("orig_type") == "Integer":
-        lower, upper = ax.get("lower"), ax.get("upper")
-        if type(lower) is not int or type(upper) is not int:
-            raise CodecError("integer histogram axis with bounds that are not ints")
-        readings.append((_count(upper - lower, "integer axis size"), under_over))
-    if mine.get("transform"):  # rebuilt as a Regular axis with both flow bins
-        readings.append((_count(mine.get("bins"), "transformed axis bins"), (2, 2)))
-    fewest = min(bins + flow[0] for bins, flow in readings)
-    most = max(bins + flow[1] for bins, flow in readings)
-    return fewest, most
+        bins = _count(ax.get("bins"), "axis bins")
+        if mine.get("orig_type") == "Integer":
+            lower, upper = ax.get("lower"), ax.get("upper")
+            if type(lower) is not int or type(upper) is not int or upper - lower != bins:
+                raise CodecError("integer histogram axis whose bounds do not give its bins")
+        return bins + _flag(ax, "underflow") + _flag(ax, "overflow")
+    if kind == "variable":
+        edges = _length(ax.get("edges"), "axis edges")
+        return max(edges - 1, 0) + _flag(ax, "underflow") + _flag(ax, "overflow")
+    if kind in ("category_int", "category_str"):
+        return _length(ax.get("categories"), "axis categories") + _flag(ax, "flow")
+    if kind == "boolean":
+        return 2
+    raise CodecError(f"histogram axis of unknown type {kind!r:.40}")
 
 
 def check_histogram(desc: Any, limits: HistogramLimits | None = None) -> None:
@@ -176,13 +181,10 @@ def check_histogram(desc: Any, limits: HistogramLimits | None = None) -> None:
             f"histogram of {len(axes)} axes refused (at most {lim.max_axes}; "
             f"{ENV_MAX_AXES} raises the limit)"
         )
-    bounds = [_axis_bins(ax) for ax in axes]
-    fewest = math.prod(low for low, _ in bounds)
+    extents = tuple(axis_extent(ax) for ax in axes)
     # (an axis alone is bounded too: another one of 0 cells makes the product 0)
-    if math.prod(high for _, high in bounds) > lim.max_cells or any(
-        low > lim.max_cells for low, _ in bounds
-    ):
-        sizes = " x ".join(str(high) for _, high in bounds)
+    if math.prod(extents) > lim.max_cells or any(n > lim.max_cells for n in extents):
+        sizes = " x ".join(map(str, extents))
         raise CodecError(
             f"histogram of {sizes} cells (flow bins included) refused: at most "
             f"{lim.max_cells} cells ({ENV_MAX_CELLS} raises the limit)"
@@ -195,9 +197,9 @@ def check_histogram(desc: Any, limits: HistogramLimits | None = None) -> None:
         data = storage.get(key)
         if type(data) is not np.ndarray:
             raise CodecError(f"histogram without its bins ({key!r} missing)")
-        # the bins are the view with flow bins; each axis declares at least ``low``
-        if data.ndim != len(axes) or math.prod(data.shape) < fewest:
+        # the bins are the view with flow bins: as many as the axes make (the shape
+        # may differ: a histogram without axes sends its one cell as shape (1,))
+        if data.size != math.prod(extents):
             raise CodecError(
-                f"histogram bins {key!r} of shape {data.shape} do not fit its "
-                f"{len(axes)} axes of at least {fewest} cells"
+                f"histogram bins {key!r} of shape {data.shape}, its axes make {extents}"
             )

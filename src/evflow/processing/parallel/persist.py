@@ -16,7 +16,7 @@ import msgpack
 import numpy as np
 
 from evflow.errors import CodecError, ConfigurationError
-from evflow.processing.parallel.histlimits import HistogramLimits, check_histogram, current_limits
+from evflow.processing.parallel.histlimits import ENGINE_LIMITS, HistogramLimits, check_histogram
 from evflow.wire.codec import array_from_buffer, parse_dtype
 
 FORMAT_VERSION = 1
@@ -99,9 +99,10 @@ def decode_persistent(
     header: bytes | memoryview, frames: list[Any], limits: HistogramLimits | None = None
 ) -> dict[str, Any]:
     """Inverse of ``encode_persistent``; raises ConfigurationError on an unknown version
-    and CodecError for a histogram beyond ``limits`` (default: ``current_limits()``) or
-    an array that does not match its frame."""
-    lim = limits or current_limits()
+    and CodecError for a histogram beyond ``limits`` (default ``ENGINE_LIMITS``: its
+    bins must come along; QC passes ``current_limits()``) or an array that does not
+    match its frame."""
+    lim = limits or ENGINE_LIMITS
     head = msgpack.unpackb(header)
     if type(head) is not dict or head.get("v") != FORMAT_VERSION:
         version = head.get("v") if type(head) is dict else None

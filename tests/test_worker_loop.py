@@ -234,6 +234,7 @@ def make_worker(modules: list[Module], board: Scoreboard | None = None) -> Any:
     w.dealer, w.push, w.ctl = Sent(), Sent(), Sent()
     w.event_buffer, w.events_in, w.events_kept, w.first_event_at = 10, 0, 0, 0.0
     w.bad, w.deltas, w.memory_limit_b, w.eager = BadMessageCounter("t"), DeltaEncoder(), 0, False
+    w.messages_in = w.messages_out = 0  # the dashboard's msg/s counters
     w.board, w.slot = (board, 0) if board is not None else (None, -1)
     return w
 

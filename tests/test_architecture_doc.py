@@ -31,7 +31,7 @@ def test_the_device_kind_example_runs_in_a_topology(tmp_path: Path) -> None:
         "EVFLOW_RUNTIME_DIR": str(runtime_dir),
     }
     done = subprocess.run(
-        [sys.executable, "-m", "evflow", "up", "tally.toml", "--preload", "tally"],
+        [sys.executable, "-m", "evflow", "up", "-v", "tally.toml", "--preload", "tally"],
         cwd=tmp_path,
         env=env,
         capture_output=True,

@@ -86,7 +86,9 @@ class GuardedProcess:
                     continue
                 if line:
                     self._lines.append(line)
-                    log.info("%s %s: %s", self.what, self.host.name, line)
+                    # at the remote line's own level: a quiet controller (warnings only)
+                    # still shows a host's warnings, e.g. the CURVE refusals of its devices
+                    log.log(_level_of(line), "%s %s: %s", self.what, self.host.name, line)
         except (OSError, ValueError):
             pass
         finally:
@@ -165,3 +167,13 @@ class GuardedProcess:
     def _signal(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.process.pid, sig)
+
+
+def _level_of(line: str) -> int:
+    """The logging level an agent's stderr line was written at (``[WARNING]`` etc. in
+    its head); INFO for anything else (a program's own output)."""
+    head = line[:64]
+    for name in ("CRITICAL", "ERROR", "WARNING", "DEBUG"):
+        if f"[{name}]" in head:
+            return int(getattr(logging, name))
+    return logging.INFO

@@ -24,7 +24,7 @@ from evflow.processing.failures import SHOWN_UIDS, FailureLog
 from evflow.qc.producer import QcTask
 from evflow.runtime.device import Device, Origin
 from evflow.runtime.devices._stream import EndTracker, acknowledge
-from evflow.wire.codec import decode_batch, decode_event
+from evflow.runtime.devices.eventsink import decode_events
 from evflow.wire.messages import Message, MsgType
 
 log = logging.getLogger("evflow.qc")
@@ -45,16 +45,6 @@ def load_task_class(spec: str) -> type[QcTask]:
     if not (isinstance(cls, type) and issubclass(cls, QcTask)):
         raise ConfigurationError(f"QC task {spec!r} is not a subclass of evflow.qc.QcTask")
     return cls
-
-
-def decode_events(frames: list[Any]) -> list[DataStore]:
-    """The events of one EVENTS payload (a single event or a batch)."""
-    try:
-        return [decode_event(frames)]
-    except CodecError as exc:
-        if "batch" not in str(exc):
-            raise
-        return decode_batch(frames)
 
 
 class QcProducer(EndTracker, Device):
@@ -143,10 +133,6 @@ class QcProducer(EndTracker, Device):
             acknowledge(self, msg, origin, count=self.events_in)
             return self.ends < self._needed
         return True
-
-    def pre_run(self) -> None:
-        if self.ends >= self._needed:  # a restart: its dead process took every END
-            self._loop_stop = True
 
     def _task_failed(self, store: DataStore, exc: Exception) -> None:
         """A fill that raised: the event is left out (what the fill added before it

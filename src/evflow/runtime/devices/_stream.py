@@ -274,6 +274,16 @@ class EndTracker:
         return sum(self.record.ends.values())
 
     @property
+    def announced(self) -> int:
+        """Messages the counted ENDs announced (0 before the task opened its record)."""
+        return self.announced_total if hasattr(self, "record") else 0
+
+    def pre_run(self) -> None:
+        if self.ends >= self._needed:  # a restart: its dead process took every END
+            dev: Any = self
+            dev._loop_stop = True
+
+    @property
     def unended(self) -> set[str]:
         """Senders that exited without their END reaching this device (see peer_ended)."""
         out: set[str] = self.__dict__.setdefault("_unended", set())

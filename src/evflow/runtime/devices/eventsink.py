@@ -101,15 +101,6 @@ class SinkDevice(EndTracker, Device):
         self.other += 1
         return True
 
-    @property
-    def announced(self) -> int:
-        """Messages the counted ENDs announced (one END per known sender, repeats not)."""
-        return self.announced_total if hasattr(self, "record") else 0
-
-    def pre_run(self) -> None:
-        if self.ends >= self._needed:  # a restart: its dead process took every END
-            self._loop_stop = True
-
     def _end(self, msg: Message, origin: Origin) -> bool:
         counts = self._track_end(msg, origin)  # None: forged or unknown sender, dropped
         if counts is None:

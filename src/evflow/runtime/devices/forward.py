@@ -51,10 +51,6 @@ class _Forwarder(EndTracker, Device):
         self._raw_in = any(ch.raw for ch in self.channel_list(self.in_channel))
         self.on_data(self.in_channel, self._handle)
 
-    def pre_run(self) -> None:
-        if self.ends >= self._needed:  # a restart: its dead process took every END
-            self._loop_stop = True
-
     def _pick(self) -> int:
         return 0
 

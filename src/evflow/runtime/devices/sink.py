@@ -53,14 +53,6 @@ class Sink(EndTracker, Device):
         # shm: payloads counted in place, the region's chunk released with the message
         self.on_data(self.channel_name, self._handle, views=True)
 
-    @property
-    def announced(self) -> int:
-        return self.announced_total if hasattr(self, "record") else 0
-
-    def pre_run(self) -> None:
-        if self.ends >= self._needed:  # a restart: its dead process took every END
-            self._loop_stop = True
-
     def _handle(self, msg: Message, origin: Origin) -> bool:
         if msg.type is MsgType.EVENTS:
             if not self.received:

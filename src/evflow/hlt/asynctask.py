@@ -23,7 +23,6 @@ input is not retried. While a call runs, new input follows ``policy``:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import faulthandler
 import logging
 import mmap
@@ -43,6 +42,7 @@ import numpy as np
 
 from evflow.errors import CodecError, ConfigurationError
 from evflow.processing.datastore import DataStore, EventMeta
+from evflow.runtime.oscalls import recv_exact, set_parent_death_signal
 from evflow.wire._raw import pack_frames, unpack_frames
 from evflow.wire.codec import decode_event, encode_event
 
@@ -53,7 +53,6 @@ log = logging.getLogger("evflow.hlt")
 POLICIES = ("skip", "queue", "replace")
 _HEAD = struct.Struct("<IQ")  # header length, body length
 _MAX_HEADER_B = 1 << 20
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -85,16 +84,6 @@ class TaskStats:
 
 
 # --- the child ----------------------------------------------------------------------------
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return bytes(buf)
-
-
 def _send(sock: socket.socket, header: dict[str, Any], body: bytes = b"") -> None:
     head = msgpack.packb(header)
     sock.sendall(_HEAD.pack(len(head), len(body)) + head + body)
@@ -102,8 +91,8 @@ def _send(sock: socket.socket, header: dict[str, Any], body: bytes = b"") -> Non
 
 def _child(sock: socket.socket, shm: mmap.mmap, func: Callable[..., Any], memory_mb: int) -> None:
     faulthandler.disable()  # a crash is reported by the parent, once
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    with contextlib.suppress(OSError):
+        set_parent_death_signal(signal.SIGKILL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the run stops us; Ctrl-C is for the parent
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the handler of the process we came from
     if memory_mb:
@@ -113,13 +102,13 @@ def _child(sock: socket.socket, shm: mmap.mmap, func: Callable[..., Any], memory
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     view = memoryview(shm)
     while True:
-        head = _recv_exact(sock, _HEAD.size)
-        if head is None:
+        try:
+            hlen, blen = _HEAD.unpack(recv_exact(sock, _HEAD.size))
+            header = msgpack.unpackb(recv_exact(sock, hlen))
+            if blen:
+                recv_exact(sock, blen)
+        except EOFError:
             return  # the parent closed: done
-        hlen, blen = _HEAD.unpack(head)
-        header = msgpack.unpackb(_recv_exact(sock, hlen) or b"\x80")
-        if blen:
-            _recv_exact(sock, blen)
         arrays = {
             name: np.frombuffer(view, np.dtype(dt), int(np.prod(shape)), off).reshape(shape)
             for name, dt, shape, off in header["layout"]

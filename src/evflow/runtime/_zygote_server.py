@@ -6,7 +6,6 @@ See :mod:`evflow.runtime.zygote` for the process model. Nothing here is public.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import pickle
 import selectors
@@ -19,37 +18,15 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-PR_SET_PDEATHSIG = 1
-PR_SET_NAME = 15
-PR_SET_CHILD_SUBREAPER = 36
+from evflow.runtime.oscalls import (
+    become_subreaper,
+    die_with_parent,
+    recv_exact,
+    set_process_name,
+)
 
 _LEN = struct.Struct("!I")
 EXIT_RECORD = struct.Struct("!ii")  # pid, returncode (negative = signal)
-
-_libc: ctypes.CDLL | None = None
-
-
-def _prctl(option: int, arg: int | bytes) -> None:
-    """Call prctl(2); raise OSError on failure (Linux only)."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    if _libc.prctl(option, arg, 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"prctl({option}) failed: {os.strerror(err)}")
-
-
-def die_with_parent(expected_ppid: int, sig: int = signal.SIGKILL) -> None:
-    """Ask the kernel to send ``sig`` when our parent dies; exit now if it already has."""
-    _prctl(PR_SET_PDEATHSIG, int(sig))
-    if os.getppid() != expected_ppid:  # parent died before prctl took effect
-        os._exit(1)
-
-
-def set_process_name(name: str) -> None:
-    """Kernel thread name (first 15 bytes; what ``ps -o comm`` and psutil ``name()`` show)."""
-    with contextlib.suppress(OSError):
-        _prctl(PR_SET_NAME, name.encode()[:15])
 
 
 def send_obj(sock: socket.socket, obj: object) -> None:
@@ -57,20 +34,10 @@ def send_obj(sock: socket.socket, obj: object) -> None:
     sock.sendall(_LEN.pack(len(data)) + data)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise EOFError("peer closed the zygote socket")
-        buf += chunk
-    return bytes(buf)
-
-
 def recv_obj(sock: socket.socket) -> Any:
-    (size,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+    (size,) = _LEN.unpack(recv_exact(sock, _LEN.size))
     # pickle from our own forked process over a private socketpair, never a network peer
-    return pickle.loads(_recv_exact(sock, size))
+    return pickle.loads(recv_exact(sock, size))
 
 
 class ZygoteServer:
@@ -90,8 +57,7 @@ class ZygoteServer:
         set_process_name("evflow-zygote")
         with contextlib.suppress(OSError):
             os.setpgid(0, 0)  # out of the terminal's foreground group: Ctrl-C skips us
-        with contextlib.suppress(OSError):
-            _prctl(PR_SET_CHILD_SUBREAPER, 1)
+        become_subreaper()
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.set_blocking(self.wake_w, False)

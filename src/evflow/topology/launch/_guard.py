@@ -30,7 +30,6 @@ session, PDEATHSIG, default signal handlers, stdin a pipe from the guard.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import select
 import signal
@@ -42,15 +41,15 @@ from typing import IO
 
 import psutil
 
+from evflow.runtime.oscalls import become_subreaper, set_parent_death_signal
+
 READY_PREFIX = "evflow-guard: started pid="
 DEFAULT_GRACE_S = 2.0
-_PR_SET_PDEATHSIG = 1
-_PR_SET_CHILD_SUBREAPER = 36
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _child_setup() -> None:
-    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    with contextlib.suppress(OSError):  # best effort, as the guard's sweep still runs
+        set_parent_death_signal(signal.SIGTERM)
 
 
 class _Forked:
@@ -123,7 +122,7 @@ class Guard:
             self.stop_grace_s = DEFAULT_GRACE_S
 
     def run(self) -> int:
-        _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        become_subreaper()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
         try:

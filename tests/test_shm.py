@@ -330,7 +330,13 @@ evflow.process(path, workers=2, quiet=True, transport="shm")
 
 
 def _segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("evflow-")}
+    """Path-run arenas (not the regions of device shm channels, ``evflow-dc-``, which
+    other tests on the machine may make and remove meanwhile)."""
+    return {
+        n
+        for n in os.listdir("/dev/shm")
+        if n.startswith("evflow-") and not n.startswith("evflow-dc-")
+    }
 
 
 def _arena_in_use(names: set[str]) -> bool:

@@ -36,6 +36,12 @@ class Sink(EndTracker, Device):
     inputs = Param(int, 0, "END messages to wait for (0 = one per sub-channel)")
     senders = Param(str, "", "ids whose END counts, comma-separated (empty: any sender)")
     read_payload = Param(bool, True, "read every payload byte (gb_per_s: bytes read per s)")
+    refused_timeout_s = Param(
+        float,
+        10.0,
+        "with --max-iterations: after a refused message, end in ERROR when nothing more "
+        "arrives for this long (refused messages never count; 0 = wait)",
+    )
 
     def init_task(self) -> None:
         record = self._open_record(1)  # [messages received]

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import signal
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -210,6 +212,79 @@ def fairmq_sink(sock: zmq.Socket[Any], max_iterations: int) -> int:
         if max_iterations > 0 and iterations >= max_iterations:
             return received
         iterations += 1
+
+
+def _assert_end_figures(stats: dict[str, Any]) -> None:
+    """The sink's end report has figures, and they agree with each other."""
+    assert stats["received"] > 0 and stats["payload_bytes"] > 0
+    assert stats["elapsed_s"] > 0, stats
+    assert stats["cpu_s"] > 0, stats
+    assert stats["msg_per_s"] == pytest.approx(stats["received"] / stats["elapsed_s"])
+    assert stats["gb_per_s"] == pytest.approx(stats["payload_bytes"] / stats["elapsed_s"] / 1e9)
+
+
+def test_raw_sink_ended_by_its_count_reports_time_rates_and_cpu(
+    ctx: zmq.Context[Any], tmp_path: Path, reap: Reap
+) -> None:
+    """A raw stream has no END (where the figures used to be taken): the count ends it."""
+    n = 2000
+    push, address = _bound(ctx, zmq.PUSH)
+    sink = reap(start_device(
+        "sink", "--id", "sink", "--max-iterations", str(n),
+        "--stats-file", str(tmp_path / "sink.json"),
+        *cc(name="data", type="pull", method="connect", address=address, framing="raw"),
+    ))  # fmt: skip
+    payload = os.urandom(1000)
+    for _ in range(n):
+        push.send(payload)
+    code, _, err = finish(sink, 60)
+    push.close()
+    assert code == 0, err[-800:]
+    stats = read_stats(tmp_path / "sink.json")["sink"]
+    assert stats["received"] == n and stats["payload_bytes"] == n * 1000
+    _assert_end_figures(stats)
+    line = next(x for x in err.splitlines() if f"sink: received {n} messages" in x)
+    assert "msg/s" in line and "GB/s" in line and "CPU" in line, line
+    assert f"ended after --max-iterations {n}" in line, line
+
+
+def test_raw_sink_stopped_by_sigint_reports_the_same(
+    ctx: zmq.Context[Any], tmp_path: Path, reap: Reap
+) -> None:
+    """Without --max-iterations a STOP (here SIGINT) ends a raw stream, with the same
+    end report: figures from the first to the last message."""
+    n = 50
+    push, address = _bound(ctx, zmq.PUSH)
+    sink = reap(start_device(
+        "sink", "--id", "sink", "--stats-file", str(tmp_path / "sink.json"),
+        *cc(name="data", type="pull", method="connect", address=address, framing="raw"),
+    ))  # fmt: skip
+    payload = os.urandom(1000)
+    log = ""
+    # messages until the sink's rate log shows them arriving (a burst before its first
+    # rate mark may never show: keep them coming)
+    deadline = time.monotonic() + 60
+    while "sink data[0]: in " not in log:
+        assert time.monotonic() < deadline, log[-2000:]
+        for i in range(n):
+            push.send_multipart([b"part %d" % i, payload])
+        log += _read_stderr(sink, 0.2)
+    sink.send_signal(signal.SIGINT)
+    code, _, err = finish(sink, 60)
+    push.close()
+    assert code == 0, (log + err)[-800:]
+    stats = read_stats(tmp_path / "sink.json")["sink"]
+    _assert_end_figures(stats)
+    line = next(x for x in (log + err).splitlines() if "sink: received" in x)
+    assert "msg/s" in line and "ended by a stop" in line, line
+
+
+def _read_stderr(proc: subprocess.Popen[str], wait_s: float) -> str:
+    """What the process logged within ``wait_s`` (not given back by ``finish``)."""
+    assert proc.stderr is not None
+    if not select.select([proc.stderr.fileno()], [], [], wait_s)[0]:
+        return ""
+    return os.read(proc.stderr.fileno(), 65536).decode()
 
 
 def _raw_hints(err: str) -> list[str]:

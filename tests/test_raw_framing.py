@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import select
+import shlex
 import signal
 import subprocess
 import time
@@ -367,3 +368,78 @@ def test_a_stop_ends_a_sink_waiting_on_refused_messages_with_its_report(
     assert "[ERROR]" not in log + err
     stats = read_stats(tmp_path / "sink.json")
     assert stats["sink"]["received"] == 0 and stats["bad_messages"] > 0
+
+
+# --- docs/farm.md's FairMQ command lines, as written ---------------------------------
+def _doc_commands() -> list[list[list[str]]]:
+    """The FairMQ section's code blocks, each a list of argv (continuations joined)."""
+    text = DOC.read_text()
+    section = text.split("## FairMQ on the wire", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```\n(.*?)```", section, re.S)
+    return [[shlex.split(c) for c in b.replace("\\\n", " ").splitlines() if c] for b in blocks]
+
+
+def _option(argv: list[str], name: str) -> int:
+    return int(argv[argv.index(name) + 1])
+
+
+def _evflow_argv(argv: list[str], address: str, **replace: str) -> tuple[str, list[str]]:
+    """``evflow device CLASS ...`` of the docs for ``start_device``: our address, and
+    the options in ``replace`` (``msg_size="1000"``) changed."""
+    assert argv[:2] == ["evflow", "device"], argv
+    out = [re.sub(r"address=[^,]+", f"address={address}", a) for a in argv[3:]]
+    for key, value in replace.items():
+        out[out.index("--" + key.replace("_", "-")) + 1] = value
+    return argv[2], out
+
+
+def test_doc_fairmq_counts_match_evflow_counts() -> None:
+    """FairMQ counts --max-iterations after the transfer: M on its side is M + 1 messages,
+    the N of the evflow device across; the docs say so in words."""
+    blocks = _doc_commands()
+    pairs: list[tuple[list[str], list[str]]] = []
+    for block in blocks:
+        fmq = [a for a in block if a[0].startswith("fairmq-")]
+        evf = [a for a in block if a[0] == "evflow"]
+        if fmq and evf:
+            pairs.append((fmq[0], evf[0]))
+    assert {f[0] for f, _ in pairs} == {"fairmq-bsampler", "fairmq-sink"}, blocks
+    for fairmq, evflow in pairs:
+        assert _option(fairmq, "--max-iterations") + 1 == _option(evflow, "--max-iterations")
+    assert "count `--max-iterations` after the transfer" in " ".join(DOC.read_text().split())
+
+
+def test_doc_fairmq_sampler_to_evflow_sink_as_written(
+    ctx: zmq.Context[Any], tmp_path: Path, reap: Reap
+) -> None:
+    """The docs' first example, their counts as written (smaller messages): everything
+    fairmq-bsampler sends is what the evflow sink takes, and it ends by its count."""
+    fairmq, evflow = next(
+        (b[0], b[1]) for b in _doc_commands() if b and b[0][0] == "fairmq-bsampler"
+    )
+    push, address = _bound(ctx, zmq.PUSH)
+    cls, argv = _evflow_argv(evflow, address)
+    sink = reap(start_device(cls, *argv, "--stats-file", str(tmp_path / "sink.json")))
+    sent = fairmq_bsampler(push, _option(fairmq, "--max-iterations"), os.urandom(1000))
+    code, _, err = finish(sink, 120)
+    assert code == 0, err[-800:]
+    assert read_stats(tmp_path / "sink.json")["sink"]["received"] == sent
+    push.close()
+
+
+def test_doc_evflow_sampler_to_fairmq_sink_as_written(ctx: zmq.Context[Any], reap: Reap) -> None:
+    """The docs' second example: fairmq-sink ends after exactly what the evflow
+    sampler sends (with the sampler's count it would wait for one more for ever)."""
+    fairmq, evflow = next((b[0], b[1]) for b in _doc_commands() if b and b[0][0] == "fairmq-sink")
+    pull, address = _bound(ctx, zmq.PULL)
+    pull.rcvtimeo = 10_000
+    cls, argv = _evflow_argv(evflow, address, msg_size="1000")
+    sampler = reap(start_device(cls, *argv))
+    try:
+        received = fairmq_sink(pull, _option(fairmq, "--max-iterations"))
+    finally:
+        code, _, err = finish(sampler, 120)
+    assert code == 0, err[-800:]
+    assert received == _option(evflow, "--max-iterations")
+    assert not pull.poll(200)  # and nothing was left for a next one
+    pull.close()

@@ -7,6 +7,15 @@ Each keeps the device's timers going (``_tick``) and ends when the device's loop
 flag is set, when a hook or handler returns False, or after ``max_iterations``. They are
 the device's own code, moved here to keep the state-machine driver short, and so read
 its private flags.
+
+Refused messages (malformed, or FairMQ's bare frames on a channel without
+``framing=raw``) are counted as bad messages and never count towards
+``max_iterations``. So that a count they can never reach does not leave a device
+waiting for ever, ``data_loop`` with ``max_iterations`` ends in ERROR (one line, an
+:class:`~evflow.errors.IncompleteStreamError`) once the last message that arrived was
+refused and nothing more arrived for the device's ``refused_timeout_s`` (a parameter
+of the built-in sink and forwarders; ``REFUSED_TIMEOUT_S`` for other devices; 0 waits
+for ever). A STOP (or SIGINT) ends it any time, as always.
 """
 
 from __future__ import annotations
@@ -18,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from evflow.runtime.framing import raw_message
+from evflow.errors import IncompleteStreamError
+from evflow.runtime.framing import decoder, looks_raw, raw_hint
 from evflow.transport.channel import Channel
 from evflow.wire.messages import BadMessageCounter, Message, MsgType, encode_message
 
@@ -29,6 +39,10 @@ if TYPE_CHECKING:
 POLL_INTERVAL_MS = 100
 #: messages taken from one socket before the others get a turn
 DRAIN_BATCH = 256
+#: with max_iterations: how long a device whose last message was refused waits for
+#: another one before it gives up on its count (s; the built-in devices' parameter
+#: ``refused_timeout_s`` overrides it)
+REFUSED_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,20 +143,34 @@ def data_loop(dev: Device) -> None:
         for ch in dev.channel_list(name):
             poller.register(ch.socket, zmq.POLLIN)
             targets[ch.socket] = (ch, handler, dev.bad_messages[ch.label], Origin(ch), views)
+    # raw channels: FairMQ's bare frames are the data; the others warn once about them
+    decoders = {sock: decoder(t[0], t[2]) for sock, t in targets.items()}
     limit = dev.max_iterations
     noblock = zmq.NOBLOCK
+    # refused messages never count towards the limit: give up after a quiet spell
+    quiet_s = float(getattr(dev, "refused_timeout_s", REFUSED_TIMEOUT_S)) if limit else 0.0
+    refused_at = 0.0  # when the last message arrived, if it was refused (else 0)
+    refused_raw: Channel | None = None  # where it arrived, if it looked raw (FairMQ)
     # a shm channel keeps the rest of a batch (send_many) after a recv: the socket has
     # nothing more to say about those messages, so they are looked for here
     sockets = list(targets)
     while not dev._loop_stop:
         dev._tick()
+        if refused_at and quiet_s > 0 and time.monotonic() - refused_at >= quiet_s:
+            refused = sum(t[2].total for t in targets.values())
+            raise IncompleteStreamError(
+                f"{refused} message(s) refused and nothing more arrived for {quiet_s:g} s: "
+                f"--max-iterations {limit} cannot be reached ({dev.iterations} counted; "
+                "refused messages never count)"
+                + (f"; {raw_hint(refused_raw)}" if refused_raw is not None else "")
+            )
         waiting = [s for s in sockets if targets[s][0].pending]
         ready = [s for s, _ in poller.poll(0 if waiting else POLL_INTERVAL_MS)]
         ready += [s for s in waiting if s not in ready]
         for sock in ready:
             ch, handler, bad, origin, views = targets[sock]
             router = ch.type == "router"
-            decode = raw_message if ch.raw else bad.decode  # raw: FairMQ's bare frames
+            decode = decoders[sock]
             for _ in range(DRAIN_BATCH):
                 try:
                     frames = ch.recv(noblock, views=True) if views else ch.recv(noblock)
@@ -151,6 +179,7 @@ def data_loop(dev: Device) -> None:
                 if router:
                     if len(frames) < 2:
                         bad.record("short", "routed message without identity")
+                        refused_at, refused_raw = time.monotonic(), None
                         continue
                     origin = Origin(ch, frames[0])
                     frames = frames[1:]
@@ -158,7 +187,10 @@ def data_loop(dev: Device) -> None:
                 if msg is None:
                     if ch.type == "rep":  # REP must answer before it can receive again
                         ch.send(encode_message(MsgType.REPLY, {"error": "bad message"}))
+                    refused_at = time.monotonic()
+                    refused_raw = ch if looks_raw(frames) else None
                     continue
+                refused_at = 0.0
                 dev.iterations += 1
                 sent_before = ch.messages_out
                 result = handler(msg, origin)

@@ -36,6 +36,12 @@ class _Forwarder(EndTracker, Device):
     inputs = Param(int, 0, "END messages to wait for (0 = one per input sub-channel)")
     senders = Param(str, "", "ids whose END counts, comma-separated (empty: any sender)")
     ack_timeout_s = Param(float, 10.0, "how long to wait for downstream ACKs (s)")
+    refused_timeout_s = Param(
+        float,
+        10.0,
+        "with --max-iterations: after a refused message, end in ERROR when nothing more "
+        "arrives for this long (refused messages never count; 0 = wait)",
+    )
 
     def init_task(self) -> None:
         self._outs: list[Channel] = self.channel_list(self.out_channel)

@@ -10,6 +10,12 @@ rate is reported as ``received_gb_per_s``: what arrived, not what was read.
 The sink stops after one END per input (``inputs``, default one per sub-channel of its
 data channel). If every END arrived and the counts differ, post_run raises so the
 device ends in ERROR: data loss is never silent.
+
+Its figures (``elapsed_s``, ``msg_per_s``, ``gb_per_s``, ``cpu_s``) run from the first
+data message to the end of the stream: the END that closed it, or, where none does (a
+raw channel, FairMQ's wire, which has no END; a stop before the END), the last data
+message on a raw channel (CPU: to the stop), else the stop. A raw stream ends by
+``--max-iterations`` or a STOP, and its end report is the same either way.
 """
 
 from __future__ import annotations
@@ -36,6 +42,12 @@ class Sink(EndTracker, Device):
     inputs = Param(int, 0, "END messages to wait for (0 = one per sub-channel)")
     senders = Param(str, "", "ids whose END counts, comma-separated (empty: any sender)")
     read_payload = Param(bool, True, "read every payload byte (gb_per_s: bytes read per s)")
+    refused_timeout_s = Param(
+        float,
+        10.0,
+        "with --max-iterations: after a refused message, end in ERROR when nothing more "
+        "arrives for this long (refused messages never count; 0 = wait)",
+    )
 
     def init_task(self) -> None:
         record = self._open_record(1)  # [messages received]
@@ -50,6 +62,7 @@ class Sink(EndTracker, Device):
         self._cpu_last = 0.0
         self._needed = self.inputs or len(self.channel_list(self.channel_name))
         self._needed -= len(self.lost_peers)
+        self._raw = any(ch.raw for ch in self.channel_list(self.channel_name))
         # shm: payloads counted in place, the region's chunk released with the message
         self.on_data(self.channel_name, self._handle, views=True)
 
@@ -64,6 +77,8 @@ class Sink(EndTracker, Device):
                 self.payload_bytes += len(frame)
                 if self.read_payload:
                     self.checksum ^= read_all(frame)
+            if origin.channel.raw:  # no END will come: this one may be the last
+                self._t_last = time.monotonic()
             return True
         if msg.type is MsgType.END:
             counts = self._track_end(msg, origin)
@@ -79,15 +94,30 @@ class Sink(EndTracker, Device):
         return True
 
     def post_run(self) -> None:
-        log.info(
-            "%s: received %d of %d announced messages, %d B, %d of %d END",
-            self.id,
-            self.received,
-            self.announced,
-            self.payload_bytes,
-            self.ends,
-            self._needed,
+        if self._t_first and not self._cpu_last:  # no END closed the stream
+            self._cpu_last = time.process_time()
+            if not self._t_last:
+                self._t_last = time.monotonic()
+        fig = self._figures()
+        gb_per_s = fig["payload_bytes"] / fig["elapsed_s"] / 1e9 if fig["elapsed_s"] else 0.0
+        rate = (
+            f"in {fig['elapsed_s']:.3f} s ({fig['msg_per_s']:.0f} msg/s, {gb_per_s:.3g} GB/s, "
+            f"CPU {fig['cpu_s']:.3f} s)"
         )
+        if self._raw:
+            log.info("%s: received %d messages, %d B %s; raw framing, no END: %s", self.id,
+                     self.received, self.payload_bytes, rate, self._ended_by())  # fmt: skip
+        else:
+            log.info(
+                "%s: received %d of %d announced messages, %d B %s, %d of %d END",
+                self.id,
+                self.received,
+                self.announced,
+                self.payload_bytes,
+                rate,
+                self.ends,
+                self._needed,
+            )
         self.check_unended("sink")
         if self.lost_peers:
             log.warning(
@@ -100,21 +130,38 @@ class Sink(EndTracker, Device):
                 count_mismatch("sink", self.id, self.received, self.announced, self.record)
             )
 
-    def summary(self) -> dict[str, Any]:
-        out = self.metrics()
+    def _ended_by(self) -> str:
+        if self.max_iterations and self.iterations >= self.max_iterations:
+            return f"ended after --max-iterations {self.max_iterations}"
+        if self.error is not None:
+            return "ended by an error"
+        return "ended by a stop"
+
+    def _figures(self) -> dict[str, Any]:
         received = getattr(self, "received", 0)
         elapsed = max(getattr(self, "_t_last", 0.0) - getattr(self, "_t_first", 0.0), 0.0)
-        nbytes = getattr(self, "payload_bytes", 0)
-        out["sink"] = {
+        return {
             "received": received,
+            "payload_bytes": getattr(self, "payload_bytes", 0),
+            "elapsed_s": elapsed,
+            "cpu_s": max(getattr(self, "_cpu_last", 0.0) - getattr(self, "_cpu_first", 0.0), 0.0),
+            "msg_per_s": received / elapsed if elapsed else 0.0,
+        }
+
+    def summary(self) -> dict[str, Any]:
+        out = self.metrics()
+        fig = self._figures()
+        elapsed, nbytes = fig["elapsed_s"], fig["payload_bytes"]
+        out["sink"] = {
+            "received": fig["received"],
             "announced": getattr(self, "announced", 0),
             "ends": getattr(self, "ends", 0),
             "lost_peers": sorted(self.lost_peers),
             "other": getattr(self, "other", 0),
             "payload_bytes": nbytes,
             "elapsed_s": elapsed,
-            "cpu_s": max(getattr(self, "_cpu_last", 0.0) - getattr(self, "_cpu_first", 0.0), 0.0),
-            "msg_per_s": received / elapsed if elapsed else 0.0,
+            "cpu_s": fig["cpu_s"],
+            "msg_per_s": fig["msg_per_s"],
             "payload_read": self.read_payload,
             "checksum": getattr(self, "checksum", 0),
         }

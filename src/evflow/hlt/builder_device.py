@@ -13,6 +13,15 @@ credits, back-pressure) into an :class:`~evflow.hlt.eventbuilder.EventBuilder`.
 
 Both end when every expected source sent END (and everything is built), or when no
 fragment came for ``end_timeout_s`` after at least one source ended.
+
+The device may be restarted (``restart = "on-failure"``, docs/hlt.md "Restarts"): it
+keeps, in its session's directory (:class:`~evflow.runtime.devices._streamrecord.StreamRecord`
+and a file mapping of built ids), the batches it sent on, the events they held, the id
+below which everything had left construction, the ids it built above it, and the
+streams whose END it acknowledged (only once their every event had gone on). Its next
+process starts from them: the senders, who keep what is not built yet, send it again;
+fragments of events already sent on are refused as late; it announces downstream what
+both processes sent; and it does not wait for streams that had ended.
 """
 
 from __future__ import annotations
@@ -20,11 +29,15 @@ from __future__ import annotations
 import json
 import logging
 import math
+import mmap
+import os
 import time
 from collections import deque
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import zmq
 
 from evflow.errors import ConfigurationError
@@ -43,7 +56,8 @@ from evflow.processing.datastore import DataStore, EventMeta
 from evflow.processing.module import Source
 from evflow.processing.parallel.lazystore import LazyEvent
 from evflow.runtime.device import Device
-from evflow.runtime.devices._stream import send_end, wait_for_acks
+from evflow.runtime.devices._stream import end_and_wait
+from evflow.runtime.devices._streamrecord import StreamRecord
 from evflow.wire.codec import encode_event
 
 __all__ = ["EventBuilderDevice", "EventBuilderInput", "parse_sources"]
@@ -95,11 +109,46 @@ class _Params:
 
 def _finished(recv: FragmentReceiver, quiet_s: float, end_timeout_s: float) -> bool:
     """Every source ended and everything is built, or ``quiet_s`` of silence (time spent
-    downstream not counted) after at least one source ended."""
+    downstream not counted) after at least one source ended (or, restarted, from the
+    start: senders that gave up on the dead process never come)."""
     if recv.all_ended() and not recv.pending():
-        return True
-    any_ended = any(p.ended for p in recv.peers.values())
+        # (restarted: a sender whose END the dead process took may still wait for its
+        # ACK; it says HELLO again within HELLO_RESEND_S, and is answered)
+        return not recv.unanswered() or quiet_s > end_timeout_s
+    any_ended = recv.resumed or any(p.ended for p in recv.peers.values())
     return any_ended and quiet_s > end_timeout_s
+
+
+class BuiltRing:
+    """The ids of the events a device sent on (``size`` of them, the latest, in slots
+    ``id % size``), in a file mapping of ``directory`` (a SIGKILL loses none; kept as
+    id + 1, 0 for an empty slot). Without a directory, in memory."""
+
+    def __init__(self, directory: Path | None, device_id: str, size: int) -> None:
+        self._map: mmap.mmap | None = None
+        if directory is None:
+            self._ids = np.zeros(size, np.int64)
+        else:
+            fd = os.open(directory / f"{device_id}.built", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                if os.fstat(fd).st_size != size * 8:
+                    os.ftruncate(fd, 0)  # (another size: not ours to read)
+                    os.ftruncate(fd, size * 8)
+                self._map = mmap.mmap(fd, size * 8)
+            finally:
+                os.close(fd)
+            self._ids = np.frombuffer(self._map, np.int64)
+        self._mask = size - 1
+
+    def mark(self, ids: np.ndarray) -> None:
+        self._ids[ids & self._mask] = ids + 1
+
+    def built(self) -> np.ndarray:
+        kept = self._ids[self._ids > 0]
+        return kept - 1
+
+    def reset(self) -> None:
+        self._ids[:] = 0
 
 
 class EventBuilderDevice(_Params, Device):
@@ -109,18 +158,41 @@ class EventBuilderDevice(_Params, Device):
     output_channel = Param(str, "events", "output channel of built events")
     ack_timeout_s = Param(float, 10.0, "how long to wait for the END acknowledgement (s)")
 
+    _record: StreamRecord
+    _ring: BuiltRing
+
     def init_task(self) -> None:
-        self.builder = EventBuilder(self.builder_config())
-        self.receiver = FragmentReceiver(
+        self.builder = builder = EventBuilder(self.builder_config())
+        # [batches sent on, events in them, the id below which all had left
+        # construction, 1 once our END was acknowledged downstream]: a restarted
+        # process goes on from them (module docstring)
+        directory = getattr(self, "stream_dir", None)
+        if hasattr(self, "_record"):  # a new task of this process, not a restart
+            self._record.reset()
+            self._ring.reset()
+        else:
+            where = Path(directory) if directory else None
+            self._record = StreamRecord(where, self.id, 4)
+            self._ring = BuiltRing(where, self.id, 2 * builder.capacity)
+        record = self._record
+        self.receiver = recv = FragmentReceiver(
             self.context,
-            self.builder,
+            builder,
             "",
             credit=self.credit,
             channel=self.channel(self.input_channel),
             bad=self.bad_messages[self.channel(self.input_channel).label],
+            ack_when_built=True,
+            on_end=lambda source, count: record.add_end(str(source), count),
         )
-        self.sent = 0
+        if record.restarted:  # (StreamRecord said so, with the counts)
+            ended = [int(k) for k in record.ends if k.isdigit()]
+            recv.resume(ended, int(record.counts[2]), self._ring.built())
+        self.sent = int(record.counts[0])
         self._quiet_since = time.monotonic()
+
+    def pre_run(self) -> None:
+        self._quiet_since = time.monotonic()  # (the walk to RUNNING is not silence)
 
     def conditional_run(self) -> bool:
         recv = self.receiver
@@ -133,18 +205,44 @@ class EventBuilderDevice(_Params, Device):
         if _finished(recv, quiet_s, self.end_timeout_s):
             self.builder.flush()
             self._forward()
+            recv.ack_ended()  # every stream has gone on
+            unended = [s for s in self.builder.sources if not _ended(recv, s)]
+            if unended:
+                log.warning(
+                    "%s: ending without the END of stream(s) %s (silent for %.1f s)",
+                    self.id,
+                    ", ".join(map(str, unended)),
+                    quiet_s,
+                )
             return False
         return True
 
     def _forward(self) -> None:
         out = self.channel(self.output_channel)
+        counts = self._record.counts
+        sent = False
         for batch in self.builder.take_built():
-            out.send(encode_built(batch))
+            frames = encode_built(batch)
+            # counted before it goes: a kill in between shows as a batch missing
+            # downstream, never as an event built twice
+            self._ring.mark(batch.ids)
             self.sent += 1
+            counts[0] = self.sent
+            counts[1] += len(batch)
+            out.send(frames)
+            sent = True
+        if sent:
+            counts[2] = self.receiver.done_below()
 
     def post_run(self) -> None:
-        send_end(self, self.output_channel, 0, self.sent)
-        wait_for_acks(self, self.output_channel, 1, self.ack_timeout_s)
+        counts = self._record.counts
+        if counts[3] and self.receiver.all_ended():
+            # our dead predecessor ended the stream downstream (its receiver may be gone)
+            log.info("%s: END of %d batches acknowledged before the restart", self.id, self.sent)
+        else:
+            _, acked = end_and_wait(self, self.output_channel, [self.sent], self.ack_timeout_s)
+            if acked:
+                counts[3] = 1
         log.info("%s: %s", self.id, self.builder.summary_line())
 
     def metrics(self) -> dict[str, Any]:
@@ -152,7 +250,14 @@ class EventBuilderDevice(_Params, Device):
         recv = getattr(self, "receiver", None)
         if recv is not None:
             out["eventbuilder"] = recv.metrics()
+            counts = self._record.counts  # (this process's and a dead predecessor's)
+            out["eventbuilder"].update(sent_on=int(counts[0]), events_sent_on=int(counts[1]))
         return out
+
+
+def _ended(recv: FragmentReceiver, source: int) -> bool:
+    peer = recv.by_source.get(source)
+    return source in recv.ended_before or (peer is not None and peer.ended)
 
 
 class EventBuilderInput(_Params, Source):

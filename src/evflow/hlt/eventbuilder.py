@@ -90,6 +90,7 @@ class EventBuilder:
         self._bufs: dict[int, list[Any]] = {}  # serial -> [buffer, fragments referring]
         self._serial = 0
         self.base: int | None = None  # oldest id that may be in construction
+        self._resume_base: int | None = None  # see resume()
         self.top = 0  # one past the highest id opened
         self.n_open = 0
         self.open_bytes = 0
@@ -122,6 +123,8 @@ class EventBuilder:
         if self.base is None:
             first = int(ids[0])
             self.base = self.top = first if first >= 0 else 0
+            if self._resume_base is not None:  # below it, its predecessor built all
+                self.base = self.top = self._resume_base
             self._heard[:] = now  # silence is counted from the first fragment on
         base, cap = self.base, self.capacity
         self._heard[k] = now
@@ -362,6 +365,17 @@ class EventBuilder:
         if complete:
             self._emit(np.array(complete, np.int64), BuildState.COMPLETE)
         return cut
+
+    def resume(self, base: int, built: np.ndarray) -> None:
+        """Go on from a dead predecessor (a restarted device): every event below
+        ``base`` has left construction there, and ``built`` (ids) are events it built
+        and sent on above it. Their fragments, sent again by senders that could not
+        know, are then refused as ``late`` (or ``stale``): no event is built twice.
+        Call it before the first :meth:`add`."""
+        self._resume_base = max(int(base), 0)
+        ids = np.asarray(built, np.int64)
+        ids = ids[ids >= 0]
+        self._done[ids & self._wmask] = ids
 
     def end_source(self, source: int) -> None:
         """``source`` sent its last fragment: events still missing it are inferred."""

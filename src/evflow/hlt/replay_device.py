@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from evflow.errors import ParameterError
-from evflow.hlt.links import FragmentSender
+from evflow.errors import IncompleteStreamError, ParameterError
+from evflow.hlt.links import FragmentSender, wait_acked
 from evflow.hlt.replay import ReplayReport, Timeline, encoded, load_events, split_event
 from evflow.params import Param
 from evflow.runtime.device import Device
@@ -98,10 +98,8 @@ class ReplayDevice(Device):
         # the timeline starts when the builder is ready (it sends the first credits once
         # every stream is connected), not while the processes are still starting
         for sender in self._senders:
-            while not sender.wait_credit(time.monotonic() + 0.1, lambda: self._loop_stop):
-                self._tick()
-                if self._loop_stop:
-                    break
+            if not self._wait_credit(sender):
+                break
         self._timeline = Timeline(self.event_rate)
         self._t_last = self._timeline.t0
         self._next_send = self._timeline.t0  # the first batch at once
@@ -171,11 +169,21 @@ class ReplayDevice(Device):
             pieces = [self._pieces[i % self._n] for i in ids.tolist()]
             batches = [[p[s] for p in pieces] for s in range(len(self._senders))]
         for sender, frags in zip(self._senders, batches, strict=True):
-            while not sender.wait_credit(time.monotonic() + 0.1, lambda: self._loop_stop):
-                self._tick()
-                if self._loop_stop:
-                    return
+            if not self._wait_credit(sender):
+                return
             sender.send_batch(id_bytes, frags)
+
+    def _wait_credit(self, sender: FragmentSender) -> bool:
+        """Wait for ``sender``'s credit, serving the device and every other stream
+        meanwhile (a restarted builder starts once every stream said HELLO again);
+        False if the device was told to stop."""
+        while not sender.wait_credit(time.monotonic() + 0.1, lambda: self._loop_stop):
+            self._tick()
+            for other in self._senders:
+                other.service()
+            if self._loop_stop:
+                return False
+        return True
 
     def post_run(self) -> None:
         r = self.report
@@ -190,10 +198,27 @@ class ReplayDevice(Device):
         if self._senders:
             for sender in self._senders:  # every END first: the builder sees them together
                 sender.send_end()
-            deadline = time.monotonic() + self.ack_timeout_s
-            for sender in self._senders:
-                if not sender.wait_ack(deadline):
-                    log.error("%s: END of stream %d not acknowledged", self.id, sender.source)
+            # acknowledged once every event of the stream is built: until then what is
+            # not goes again to a builder restarted meanwhile
+            left = wait_acked(self._senders, self.ack_timeout_s, self._tick)
+            self.resent = sum(s.resent for s in self._senders)
+            self.builder_restarts = max(s.builder_restarts for s in self._senders)
+            if left:
+                # batches the builder never said it built (kept, or let go unconfirmed)
+                unsure = sum(s.kept + s.let_go for s in left)
+                what = (
+                    f"{self.id!r}: the event builder acknowledged no END of stream(s) "
+                    f"{', '.join(str(s.source) for s in left)} within "
+                    f"{self.ack_timeout_s:g} s"
+                )
+                if not unsure:  # it said it built all of them: nothing is missing
+                    log.warning("replay %s (it had built everything they sent)", what)
+                elif self.shutdown_requested:
+                    log.error("replay %s; %d batches sent may not be built", what, unsure)
+                else:
+                    raise IncompleteStreamError(
+                        f"replay {what}; {unsure} batches sent may not be built"
+                    )
         else:
             send_end(self, self.channel_name, 0, self.channel(self.channel_name).messages_out)
             wait_for_acks(self, self.channel_name, 1, self.ack_timeout_s)
@@ -213,5 +238,7 @@ class ReplayDevice(Device):
             "rate_hz": r.rate_hz,
             "achieved_hz": r.achieved_hz,
             "max_lag_ms": r.max_lag_ms,
+            "resent": getattr(self, "resent", 0),
+            "builder_restarts": getattr(self, "builder_restarts", 0),
         }
         return out

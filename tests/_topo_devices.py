@@ -32,7 +32,7 @@ class OverAnnounces(Sampler):
     description = "a sampler whose END announces one message more than it sent"
 
     def post_run(self) -> None:
-        self.sent += 1
+        self._sent[0] += 1
         super().post_run()
 
 

@@ -210,13 +210,17 @@ def test_qc_producer_killed_mid_stream_ends_with_one_line_naming_it(tmp_path: Pa
 def test_a_sender_that_exited_while_its_receiver_was_dead_does_not_hang_the_run(
     tmp_path: Path,
 ) -> None:
-    """The sink is stopped (SIGSTOP) while the sampler sends everything and its END into
-    it, the sampler gives up on the ACK after 1 s and exits, then the sink is SIGKILLed:
-    its new process never gets that END. The controller tells a restarted receiver
-    which of its senders exited (peer-ended), so the run ends with one line naming the
-    END that never came instead of waiting for ever."""
-    text = SINK.format(rate=200, n=400).replace(
-        "params = { msg_size = 64 }", "params = { msg_size = 64, ack_timeout_s = 1.0 }"
+    """The sink is SIGKILLed mid-stream and comes back only 15 s later (its restart
+    backoff): the sampler sends the rest and its END meanwhile, gives up on the ACK 1 s
+    after its receiver left, and exits. The new sink process never gets that END. The
+    controller tells a restarted receiver which of its senders exited (peer-ended), so
+    the run ends with one line naming the END that never came instead of waiting for
+    ever. (A receiver that is only slow, or stopped, stays connected: its sender waits;
+    tests/test_stream_end_wait.py.)"""
+    text = (
+        SINK.format(rate=200, n=400)
+        .replace("params = { msg_size = 64 }", "params = { msg_size = 64, ack_timeout_s = 1.0 }")
+        .replace('restart = "on-failure"', 'restart = "on-failure"\nrestart_backoff_s = 15.0')
     )
     topo = tmp_path / "t.toml"
     topo.write_text(text)
@@ -231,9 +235,8 @@ def test_a_sender_that_exited_while_its_receiver_was_dead_does_not_hang_the_run(
         pid = status_pid(session, "sink")
         assert pid in {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
         assert not lines.wait_exit(0.5)
-        os.kill(pid, signal.SIGSTOP)
-        lines.wait_for("END acknowledgements", 30)  # the sampler gave up on its ACK
         os.kill(pid, signal.SIGKILL)
+        lines.wait_for("END acknowledgements", 30)  # the sampler gave up on its ACK
         ended = lines.wait_exit(END_BOUND_S)
         if not ended:
             proc.send_signal(signal.SIGINT)

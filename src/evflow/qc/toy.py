@@ -15,18 +15,13 @@ coordinate is a multiple of 2**-12, so sums are exact in any order.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import re
-import time
-from typing import Any
 
 import boost_histogram as bh
 import hist
 import numpy as np
-import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from evflow.params import Param
 from evflow.processing.datastore import DataStore, EventMeta
@@ -34,7 +29,7 @@ from evflow.qc.producer import QcTask
 from evflow.qc.recordbatch import RecordBatch
 from evflow.runtime._loops import send_when_ready
 from evflow.runtime.device import Device
-from evflow.runtime.devices._stream import END_RESEND_S, ack_sources, send_end
+from evflow.runtime.devices._stream import end_and_wait
 from evflow.wire.codec import encode_batch
 from evflow.wire.messages import MsgType, encode_message
 
@@ -42,8 +37,6 @@ __all__ = ["ToyEvents", "ToyQc", "toy_event"]
 
 log = logging.getLogger("evflow.qc")
 _INDEX = re.compile(r"_(\d+)$")
-#: the longest a source waits for its END's acknowledgement from a connected producer
-MAX_ACK_WAIT_S = 600.0
 
 
 def toy_event(i: int, run: int = 0) -> DataStore:
@@ -82,11 +75,6 @@ class ToyEvents(Device):
         self.sent = 0
         self.messages = 0
         self.acked = False
-        # connects and disconnects of the producer, from now on (see _wait_ack)
-        self._monitor: zmq.Socket[Any] | None = self._out.socket.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
-        )
-        self._connected = True  # (CONNECT is done: the producer bound before)
 
     def conditional_run(self) -> bool:
         events = [toy_event(i, self.run_number) for i in itertools.islice(self._todo, self.batch)]
@@ -100,78 +88,13 @@ class ToyEvents(Device):
         return True
 
     def post_run(self) -> None:
-        if send_end(self, self.channel_name, 0, self.messages, self.ack_timeout_s):
-            self.acked = self._wait_ack()
+        # the producer answers END behind every batch queued before it (the sockets
+        # hold the whole stream): under load long after the END left, and no failure.
+        # end_and_wait waits while the producer stays connected; ack_timeout_s counts
+        # from its disconnection
+        _, acked = end_and_wait(self, self.channel_name, [self.messages], self.ack_timeout_s)
+        self.acked = acked > 0
         log.info("%s: sent %d toy events", self.id, self.sent)
-
-    def reset_task(self) -> None:
-        monitor = getattr(self, "_monitor", None)
-        if monitor is not None:
-            self._out.socket.disable_monitor()
-            monitor.close(0)
-            self._monitor = None
-
-    def _wait_ack(self) -> bool:
-        """Wait for the ACK of our END while the producer is connected.
-
-        The producer answers END when it reads it, after every batch queued before it:
-        the sockets hold the whole stream (2 x 1000 messages of high-water mark), so
-        under load the ACK comes as late as the producer's work on all of it (on 2
-        cores shared by 19 processes, more than 30 s), long after the END left. That is
-        no failure: ``ack_timeout_s`` counts from the producer's disconnection (it
-        died) instead. A stop request, or MAX_ACK_WAIT_S, ends the wait too. The END
-        goes again every END_RESEND_S: a producer restarted meanwhile gets it too (it
-        counts one END per sender)."""
-        sources = ack_sources(self, self.channel_name)
-        poller = zmq.Poller()
-        for ch in sources:
-            poller.register(ch.socket, zmq.POLLIN)
-        if self._monitor is not None:
-            poller.register(self._monitor, zmq.POLLIN)
-        by_socket = {ch.socket: ch for ch in sources}
-        gone_at: float | None = None
-        started = time.monotonic()
-        stopped_at: float | None = None
-        resend_at = started + END_RESEND_S
-        while True:
-            now = time.monotonic()
-            if now >= resend_at:
-                resend_at = now + END_RESEND_S
-                end = encode_message(MsgType.END, {"count": self.messages, "from": self.id})
-                with contextlib.suppress(zmq.Again):
-                    self._out.send(end, zmq.NOBLOCK)
-            if self._connected:
-                gone_at = None
-            elif gone_at is None:
-                gone_at = now
-            if self.shutdown_requested and stopped_at is None:
-                stopped_at = now  # (a stop still gives the ACK ack_timeout_s to come)
-            if gone_at is not None and now - gone_at >= self.ack_timeout_s:
-                log.error("%s: END on %r not acknowledged: the producer left %.1f s ago",
-                          self.id, self.channel_name, now - gone_at)  # fmt: skip
-                return False
-            if now - started >= MAX_ACK_WAIT_S:  # connected, silent: a hung producer
-                log.error("%s: END on %r not acknowledged within %.0f s by a connected "
-                          "producer", self.id, self.channel_name, MAX_ACK_WAIT_S)  # fmt: skip
-                return False
-            if stopped_at is not None and now - stopped_at >= self.ack_timeout_s:
-                log.warning("%s: END on %r not acknowledged %.1f s after the stop request",
-                            self.id, self.channel_name, now - stopped_at)  # fmt: skip
-                return False
-            self._tick()
-            for sock, _ in poller.poll(100):
-                if sock is self._monitor:
-                    event = recv_monitor_message(self._monitor)
-                    self._connected = event["event"] == zmq.EVENT_CONNECTED
-                    continue
-                ch = by_socket[sock]
-                frames = ch.recv()
-                if ch.type == "router":
-                    frames = frames[1:]
-                msg = self.bad_messages[ch.label].decode(frames)
-                ours = msg is not None and msg.header.get("to", self.id) == self.id
-                if ours and msg is not None and msg.type is MsgType.ACK:
-                    return True
 
 
 class ToyQc(QcTask):

@@ -47,6 +47,12 @@ _ASK_EVERY_S = 0.5
 FINAL_EXIT = 3
 #: a device taking its first steps by itself waits at most this long to be heard
 HEARD_TIMEOUT_S = 2.0
+#: socket types that share what they send among their peers: a channel of these types
+#: connected to several peers (``peers = "all"``) is one sub-channel per peer, so that
+#: its device knows what went to each and ends each peer's stream with its own END (one
+#: socket connected to all would pick the peer of every message, END included: one
+#: peer would get the END with everybody's count, the others none)
+PER_PEER_TYPES = frozenset({"push", "dealer"})
 
 
 class Exchange:
@@ -89,7 +95,10 @@ class Exchange:
         for ch in self.launch.channels:
             if ch.connect:
                 urls = [self._pick(self.properties[key], same) for key, same in ch.connect]
-                out.append(self._config(ch, "connect", ";".join(urls)))
+                if ch.type in PER_PEER_TYPES:  # one sub-channel per peer (see PER_PEER_TYPES)
+                    out.extend(self._config(ch, "connect", url) for url in urls)
+                else:
+                    out.append(self._config(ch, "connect", ";".join(urls)))
             elif ch.address and not ch.address.startswith("@"):
                 address = ch.address[1:] if ch.address.startswith(">") else ch.address
                 out.append(self._config(ch, "connect", address))

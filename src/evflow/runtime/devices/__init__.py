@@ -26,8 +26,9 @@ Your own devices (see docs/topology.md, "Your own source and sink devices")::
 The base classes send, wait for room at the receiver, end the stream with END (the
 counts) and its ACK, and check the counts at the receiving end. For other streams:
 ``Device`` with ``send_when_ready`` (a send that waits for room, not past a stop),
-``send_end`` / ``wait_for_acks`` (the sender's end) and ``acknowledge`` (the
-receiver's answer to END).
+``end_and_wait`` (the sender's end: END on every sub-channel, then the ACKs, waited for
+while the receivers stay connected), its halves ``send_end`` / ``wait_for_acks``, and
+``acknowledge`` (the receiver's answer to END).
 """
 
 from __future__ import annotations
@@ -38,7 +39,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from evflow.runtime._loops import send_when_ready
     from evflow.runtime.device import Device, Origin
-    from evflow.runtime.devices._stream import acknowledge, send_end, wait_for_acks
+    from evflow.runtime.devices._stream import (
+        acknowledge,
+        end_and_wait,
+        send_end,
+        wait_for_acks,
+    )
     from evflow.runtime.devices.eventsink import SinkDevice, decode_events
     from evflow.runtime.devices.source import SourceDevice, instance_index
     from evflow.wire.messages import Message, MsgType
@@ -50,6 +56,7 @@ _LAZY = {
     "Device": "evflow.runtime.device",
     "Origin": "evflow.runtime.device",
     "acknowledge": "evflow.runtime.devices._stream",
+    "end_and_wait": "evflow.runtime.devices._stream",
     "send_end": "evflow.runtime.devices._stream",
     "wait_for_acks": "evflow.runtime.devices._stream",
     "SinkDevice": "evflow.runtime.devices.eventsink",
@@ -86,6 +93,7 @@ __all__ = [
     "SourceDevice",
     "acknowledge",
     "decode_events",
+    "end_and_wait",
     "instance_index",
     "send_end",
     "send_when_ready",

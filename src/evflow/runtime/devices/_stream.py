@@ -15,10 +15,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from evflow.errors import IncompleteStreamError
 from evflow.runtime._loops import send_when_ready
@@ -38,6 +40,9 @@ STOPPED_END_WAIT_S = 2.0
 #: an END not acknowledged this long is sent again (its receiver may have been
 #: restarted meanwhile; receivers count one END per sender)
 END_RESEND_S = 1.0
+#: the longest END waits for its acknowledgement from a receiver that stays connected
+#: (one that never answers is hung)
+MAX_ACK_WAIT_S = 600.0
 
 
 def send_end(
@@ -148,45 +153,175 @@ def acknowledge(dev: Device, msg: Message, origin: Origin, **extra: Any) -> bool
     return False
 
 
+class PeerWatch:
+    """Whether the peer of a sub-channel is still there, from its socket's monitor events.
+
+    Started when the END goes: until an event says otherwise its peer is taken to be
+    there (it was, for the data before the END). A connecting socket's peer is gone
+    from a disconnection or a failed (re)connect until it connects again; a binding
+    socket's when the last connection it saw accepted, or an earlier one, closed.
+    Inproc and raw channels give no events: their peer always counts as there."""
+
+    EVENTS = (
+        zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+        | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CONNECT_DELAYED | zmq.EVENT_ACCEPTED
+        | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    )  # fmt: skip
+    _UP = frozenset({zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED})
+
+    def __init__(self, ch: Channel) -> None:
+        self._channel = ch
+        methods = [ep.method or ch.config.method for ep in ch.config.endpoints]
+        self._bound = {url for url, m in zip(ch.endpoints, methods, strict=False) if m == "bind"}
+        self._up: dict[str, bool] = dict.fromkeys(ch.endpoints, True)
+        self._accepted: set[int] = set()
+        self.monitor: zmq.Socket[Any] = ch.socket.get_monitor_socket(self.EVENTS)
+
+    @property
+    def connected(self) -> bool:
+        return bool(self._accepted) or any(self._up.values()) or not self._up
+
+    def _key(self, endpoint: str) -> str:
+        if endpoint not in self._up and len(self._up) == 1:
+            return next(iter(self._up))  # (the one endpoint, spelled another way)
+        return endpoint
+
+    def read(self) -> None:
+        """Take the events that arrived (call when ``monitor`` is readable)."""
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)
+            kind, fd = event["event"], event["value"]
+            key = self._key(event["endpoint"].decode(errors="replace"))
+            if key in self._bound:  # a connection to our bound address, by its fd
+                if kind == zmq.EVENT_ACCEPTED:
+                    self._accepted.add(fd)
+                elif kind == zmq.EVENT_DISCONNECTED:
+                    self._accepted.discard(fd)
+                    self._up[key] = False  # (connections from before we watched: gone too)
+            elif kind in self._UP:
+                self._up[key] = True
+            elif kind != zmq.EVENT_ACCEPTED:
+                self._up[key] = False
+
+    def close(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self._channel.socket.disable_monitor()
+        self.monitor.close(0)
+
+
 def end_and_wait(
-    dev: Device, name: str, counts: list[int], timeout_s: float, **extra: Any
+    dev: Device,
+    name: str,
+    counts: Sequence[int],
+    timeout_s: float,
+    *,
+    headers: Sequence[dict[str, Any]] | None = None,
+    max_wait_s: float = MAX_ACK_WAIT_S,
+    **extra: Any,
 ) -> tuple[int, int]:
-    """END with ``counts[i]`` on each sub-channel ``i`` of ``name``, each sent again
-    every END_RESEND_S until its ACK arrives or ``timeout_s`` passes: an END that reached
-    a receiver killed before it answered is announced again to its restarted process
-    (receivers count one END per sender). Returns (ENDs sent, ENDs acknowledged)."""
-    all_subs = dev.channel_list(name)
-    subs = all_subs[: len(counts)]  # (a sampler sends on its first sub-channel only)
-    sent = [send_end(dev, name, i, counts[i], timeout_s, **extra) for i in range(len(subs))]
+    """END on every sub-channel ``i`` of ``name`` with ``counts[i]`` (0 past the end of
+    ``counts``: every peer gets its END), ``headers[i]`` and ``extra`` in its header;
+    then wait for the ACKs. Returns (ENDs sent, ENDs acknowledged).
+
+    A receiver answers END when it reads it, behind everything queued before it: under
+    load that is long after the END left, and no failure. So the wait lasts as long as
+    the receiver stays connected (:class:`PeerWatch`); ``timeout_s`` counts from its
+    disconnection (it died, or left without answering), and then the END is given up
+    with one ERROR line. ``max_wait_s`` bounds the whole wait (a connected receiver that
+    never answers: hung), and after a stop request the ACKs get ``timeout_s`` more
+    (then a warning). An END not acknowledged is sent again every END_RESEND_S: one
+    that reached a receiver killed before it answered is announced again to its
+    restarted process (receivers count one END per sender)."""
+    subs = dev.channel_list(name)
+    counts = [*counts[: len(subs)], *[0] * (len(subs) - len(counts))]
+    fields = [{**extra, **(headers[i] if headers else {})} for i in range(len(subs))]
+    sent = [send_end(dev, name, i, counts[i], timeout_s, **fields[i]) for i in range(len(subs))]
+    ends = [{"count": counts[i], "from": dev.id, **fields[i]} for i in range(len(subs))]
     if not any(sent) or subs[0].raw:
         return sum(sent), 0
     sources = ack_sources(dev, name)
     if not sources:
         wait_for_acks(dev, name, sum(sent), timeout_s)  # logs why none can come
         return sum(sent), 0
-    per_channel = sources is all_subs  # ACKs on the data sockets: one per sub-channel
+    watches = {i: PeerWatch(subs[i]) for i in range(len(subs)) if sent[i]}
+    try:
+        return sum(sent), _await_acks(dev, name, sources, watches, ends, timeout_s, max_wait_s)
+    finally:
+        for watch in watches.values():
+            watch.close()
+
+
+def _await_acks(
+    dev: Device,
+    name: str,
+    sources: list[Channel],
+    watches: dict[int, PeerWatch],
+    ends: list[dict[str, Any]],
+    timeout_s: float,
+    max_wait_s: float,
+) -> int:
+    """The wait of :func:`end_and_wait`; returns the ACKs that arrived. With ACKs on the
+    data sockets each END has its own: one whose receiver is gone ``timeout_s`` is given
+    up alone. With an ack channel (ACKs by receiver id) the wait ends when fewer
+    receivers are connected than ACKs are due, for ``timeout_s``."""
+    subs = dev.channel_list(name)
+    expected = len(watches)
+    per_channel = sources is subs  # ACKs on the data sockets: one per sub-channel
     by_socket = {ch.socket: i for i, ch in enumerate(sources)}
+    by_monitor = {w.monitor: w for w in watches.values()}
     acked: set[Any] = set()  # sub-channel indices, or (ack channel) receiver ids
+    given_up: dict[int, str] = {}  # sub-channel -> why
+    gone_since: dict[int, float] = {}  # sub-channel (-1: the ack channel's receivers)
     poller = zmq.Poller()
-    for ch in sources:
-        poller.register(ch.socket, zmq.POLLIN)
-    deadline = time.monotonic() + timeout_s
-    resend_at = time.monotonic() + END_RESEND_S
-    while len(acked) < sum(sent):
+    for sock in [*by_socket, *by_monitor]:
+        poller.register(sock, zmq.POLLIN)
+    started = time.monotonic()
+    resend_at = started + END_RESEND_S
+    stopped_at: float | None = None
+    hung = ""
+    while len(acked) + len(given_up) < expected:
         now = time.monotonic()
-        if now >= deadline:
-            break
+        waiting = [i for i in watches if i not in acked and i not in given_up]
+        if not per_channel:
+            waiting = list(watches) if len(acked) < expected else []
         if now >= resend_at:
             resend_at = now + END_RESEND_S
-            for i in range(len(subs)):
-                if sent[i] and (i not in acked if per_channel else True):
-                    frames = encode_message(
-                        MsgType.END, {"count": counts[i], "from": dev.id, **extra}
-                    )
-                    with contextlib.suppress(zmq.Again):
-                        subs[i].send(frames, zmq.NOBLOCK)
+            for i in waiting:
+                with contextlib.suppress(zmq.Again):
+                    subs[i].send(encode_message(MsgType.END, ends[i]), zmq.NOBLOCK)
+        # who is gone: each waiting receiver, or (ack channel) fewer than the ACKs due
+        if per_channel:
+            gone = [i for i in waiting if not watches[i].connected]
+        else:
+            live = sum(1 for w in watches.values() if w.connected)
+            gone = [-1] if live < expected - len(acked) else []
+        for i in [i for i in gone_since if i not in gone]:
+            del gone_since[i]
+        for i in gone:
+            since = gone_since.setdefault(i, now)
+            if now - since >= timeout_s:
+                who = "its receivers" if i == -1 else f"the receiver on {subs[i].label}"
+                for k in watches if i == -1 else [i]:
+                    given_up[k] = f"{who} left {now - since:.1f} s ago"
+        if len(acked) + len(given_up) >= expected:
+            break
+        if dev.shutdown_requested and stopped_at is None:
+            stopped_at = now  # (a stop still gives the ACKs timeout_s to come)
+        if stopped_at is not None and now - stopped_at >= timeout_s:
+            log.warning("%s: only %d of %d END acknowledgements on %r %.1f s after the "
+                        "stop request", dev.id, len(acked), expected, name,
+                        now - stopped_at)  # fmt: skip
+            return min(len(acked), expected)
+        if now - started >= max_wait_s:
+            hung = f"none within {max_wait_s:.0f} s from a connected receiver (hung?)"
+            break
         dev._tick()
-        for sock, _ in poller.poll(min(100, max(1, int((deadline - now) * 1000)))):
+        for sock, _ in poller.poll(100):
+            watch = by_monitor.get(sock)
+            if watch is not None:
+                watch.read()
+                continue
             ch = sources[by_socket[sock]]
             frames = ch.recv()
             if ch.type == "router":
@@ -196,12 +331,17 @@ def end_and_wait(
                 continue
             if msg.header.get("to", dev.id) != dev.id:
                 continue
-            acked.add(by_socket[sock] if per_channel else str(msg.header.get("from")))
-    got = min(len(acked), sum(sent))
-    if got < sum(sent):
-        log.error("%s: only %d of %d END acknowledgements on %r within %.1f s",
-                  dev.id, got, sum(sent), name, timeout_s)  # fmt: skip
-    return sum(sent), got
+            if per_channel and by_socket[sock] in watches:
+                acked.add(by_socket[sock])
+                given_up.pop(by_socket[sock], None)  # (back, and answered after all)
+            elif not per_channel:
+                acked.add(str(msg.header.get("from")))
+    got = min(len(acked), expected)
+    if got < expected:
+        why = "; ".join(dict.fromkeys([*given_up.values(), *filter(None, [hung])]))
+        log.error("%s: only %d of %d END acknowledgements on %r: %s",
+                  dev.id, got, expected, name, why)  # fmt: skip
+    return got
 
 
 class EndTracker:

@@ -1,6 +1,8 @@
 """Forwarding devices: ``splitter`` (1 -> n round robin), ``merger`` (n -> 1), ``proxy``.
 
-Each forwards every data (EVENTS) message from ``data-in`` to ``data-out``; END it
+Each forwards every data (EVENTS) message from ``data-in`` to ``data-out``, round robin
+over its sub-channels when it has several (a topology channel with ``peers = "all"``
+has one per peer, so that each peer's END carries its own count); END it
 acknowledges upstream at once (the data before it is already here). When the last
 expected END arrived, it sends END with its own counts on every output and waits for
 their ACKs before it stops. Either side may be raw (FairMQ's wire): raw input is
@@ -35,7 +37,9 @@ class _Forwarder(EndTracker, Device):
     out_channel = Param(str, "data-out", "output channel (sub-channels for the splitter)")
     inputs = Param(int, 0, "END messages to wait for (0 = one per input sub-channel)")
     senders = Param(str, "", "ids whose END counts, comma-separated (empty: any sender)")
-    ack_timeout_s = Param(float, 10.0, "how long to wait for downstream ACKs (s)")
+    ack_timeout_s = Param(
+        float, 10.0, "how long to wait for a downstream ACK once its receiver left (s)"
+    )
     refused_timeout_s = Param(
         float,
         10.0,
@@ -58,7 +62,11 @@ class _Forwarder(EndTracker, Device):
         self.on_data(self.in_channel, self._handle)
 
     def _pick(self) -> int:
-        return 0
+        """Round robin over the output sub-channels (one, or one per peer of a channel
+        with ``peers = "all"``: each peer's END then carries what went to it)."""
+        i = self._next
+        self._next = (i + 1) % len(self._outs)
+        return i
 
     def _handle(self, msg: Message, origin: Origin) -> bool:
         if msg.type is MsgType.END:
@@ -131,11 +139,6 @@ class _Forwarder(EndTracker, Device):
 
 class Splitter(_Forwarder):
     description = "1 -> n: round robin over the data-out sub-channels"
-
-    def _pick(self) -> int:
-        i = self._next
-        self._next = (i + 1) % len(self._outs)
-        return i
 
 
 class Merger(_Forwarder):

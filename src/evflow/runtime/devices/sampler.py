@@ -2,7 +2,10 @@
 ``--rate`` Hz when set), then END with the count, and waits for its ACK.
 
 ``--batch B``: each iteration sends B messages; on a ``transport=shm`` channel in one
-ZeroMQ message (``send_many``), elsewhere one after the other."""
+ZeroMQ message (``send_many``), elsewhere one after the other.
+
+With several sub-channels (a topology channel with ``peers = "all"`` has one per peer)
+the iterations go round robin over them, and each gets END with its own count."""
 
 from __future__ import annotations
 
@@ -32,7 +35,9 @@ class Sampler(Device):
 
     msg_size = Param(int, 1000, "payload bytes per message")
     channel_name = Param(str, "data", "output channel")
-    ack_timeout_s = Param(float, 10.0, "how long to wait for the END acknowledgement (s)")
+    ack_timeout_s = Param(
+        float, 10.0, "how long to wait for the END acknowledgement once its receiver left (s)"
+    )
     zero_copy = Param(
         bool, False, "write each message into a new buffer from channel.new_message (shm: in place)"
     )
@@ -51,58 +56,75 @@ class Sampler(Device):
         payload: Any = os.urandom(self.msg_size)
         if self.msg_size >= COPY_THRESHOLD_BYTES:
             payload = zmq.Frame(payload)
-        self._out = self.channel(self.channel_name)
+        self._outs = self.channel_list(self.channel_name)
         # raw framing: the payload alone, as a FairMQ sampler sends it
-        frames = outgoing(self._out, MsgType.EVENTS, None, (payload,))
-        assert frames is not None  # (EVENTS with a payload always has frames)
-        self._frames = frames
+        self._frames = []
+        for ch in self._outs:
+            frames = outgoing(ch, MsgType.EVENTS, None, (payload,))
+            assert frames is not None  # (EVENTS with a payload always has frames)
+            self._frames.append(frames)
         self._payload = memoryview(payload)
-        # [messages sent]: a restarted sampler goes on from its dead process's count
+        # [messages sent on sub-channel 0, 1, ...]: a restarted sampler goes on from its
+        # dead process's counts
         directory = getattr(self, "stream_dir", None)
         if hasattr(self, "_record"):  # a new task of this process, not a restart
             self._record.reset()
         else:
-            self._record = StreamRecord(Path(directory) if directory else None, self.id, 1)
-        self.sent = self._record.counts[0]
+            self._record = StreamRecord(
+                Path(directory) if directory else None, self.id, len(self._outs)
+            )
+        self._sent = [self._record.counts[i] for i in range(len(self._outs))]
+        self._next = sum(self._sent) // self.batch % len(self._outs)
         self._total = self.max_iterations * self.batch
         self.acked = 0
+
+    @property
+    def sent(self) -> int:
+        """Messages sent (on all sub-channels)."""
+        return sum(getattr(self, "_sent", ()))
 
     def pre_run(self) -> None:
         self._t0 = time.monotonic()
         self._cpu0 = time.process_time()
 
-    def _message(self) -> list[Any]:
+    def _message(self, i: int) -> list[Any]:
         if not self.zero_copy:
-            return self._frames
+            return self._frames[i]
         # a new buffer per message, filled in place, sent without a copy
-        msg = self._out.new_message(self.msg_size, wait_s=self.ack_timeout_s)
+        out = self._outs[i]
+        msg = out.new_message(self.msg_size, wait_s=self.ack_timeout_s)
         msg.data[:] = self._payload
-        frames = outgoing(self._out, MsgType.EVENTS, None, (msg,))
+        frames = outgoing(out, MsgType.EVENTS, None, (msg,))
         assert frames is not None
         return frames
+
+    def _count(self, i: int, n: int) -> None:
+        self._sent[i] += n
+        self._record.counts[i] = self._sent[i]
 
     def conditional_run(self) -> bool:
         if self._total and self.sent >= self._total:
             return False  # a restart after its dead process had sent them all
+        i = self._next
+        out = self._outs[i]
         # waits for a peer, but not past a stop request (a sink that never came)
-        if self.batch > 1 and isinstance(self._out, ShmChannel):
-            batch = [self._message() for _ in range(self.batch)]
-            if not send_when_ready(self, self._out, batch, many=True):
+        if self.batch > 1 and isinstance(out, ShmChannel):
+            batch = [self._message(i) for _ in range(self.batch)]
+            if not send_when_ready(self, out, batch, many=True):
                 return False
-            self.sent += len(batch)
-            self._record.counts[0] = self.sent
-            return True
-        for _ in range(self.batch):
-            if not send_when_ready(self, self._out, self._message()):
-                return False
-            self.sent += 1
-            self._record.counts[0] = self.sent
+            self._count(i, len(batch))
+        else:
+            for _ in range(self.batch):
+                if not send_when_ready(self, out, self._message(i)):
+                    return False
+                self._count(i, 1)
+        self._next = (i + 1) % len(self._outs)
         return True
 
     def post_run(self) -> None:
         self.elapsed_s = time.monotonic() - self._t0
         self.cpu_s = time.process_time() - self._cpu0  # all threads, libzmq's I/O thread too
-        _, self.acked = end_and_wait(self, self.channel_name, [self.sent], self.ack_timeout_s)
+        _, self.acked = end_and_wait(self, self.channel_name, self._sent, self.ack_timeout_s)
         log.info(
             "%s: sent %d messages of %d B in %.3f s",
             self.id,

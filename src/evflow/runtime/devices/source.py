@@ -10,7 +10,8 @@ base class does the rest of the stream protocol:
   high-water mark: the receiver's pace is the flow control) but not past a stop;
 - at the end, or when the device is stopped for good, END goes on every sub-channel
   with ``count`` (EVENTS messages sent on it), ``events`` (events in them) and ``from``
-  (our id), and the device waits for each ACK;
+  (our id), and the device waits for each ACK while its receiver stays connected
+  (``ack_timeout_s`` counts from a receiver's disconnection: see ``end_and_wait``);
 - ``copies`` instances can share one stream: ``share()`` says which part is ours.
 
 A STOP from ``evflow ctl`` pauses the stream (the message being sent is kept and goes
@@ -31,7 +32,7 @@ from evflow.errors import ConfigurationError
 from evflow.params import Param
 from evflow.runtime._loops import send_when_ready
 from evflow.runtime.device import Device
-from evflow.runtime.devices._stream import send_end, wait_for_acks
+from evflow.runtime.devices._stream import end_and_wait
 from evflow.runtime.framing import outgoing
 from evflow.runtime.states import State
 from evflow.wire.codec import encode_batch, encode_event
@@ -62,7 +63,9 @@ class SourceDevice(Device):
     channel_name = Param(str, "data", "output channel")
     batch = Param(int, 100, "events per EVENTS message")
     copies = Param(int, 1, "instances sharing the stream (instance NAME_k takes part k)")
-    ack_timeout_s = Param(float, 30.0, "how long to wait for END acknowledgements (s)")
+    ack_timeout_s = Param(
+        float, 30.0, "how long to wait for an END acknowledgement once its receiver left (s)"
+    )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -155,12 +158,10 @@ class SourceDevice(Device):
         close = getattr(it, "close", None)
         if close is not None:
             close()  # the generator's finally: files closed now, not at exit
-        sent = 0
-        for i, count in enumerate(state["messages"]):
-            sent += send_end(self, self.channel_name, i, count, self.ack_timeout_s,
-                             events=state["events"][i])  # fmt: skip
-        if sent:
-            state["acked"] = wait_for_acks(self, self.channel_name, sent, self.ack_timeout_s)
+        headers = [{"events": n} for n in state["events"]]
+        sent, state["acked"] = end_and_wait(
+            self, self.channel_name, state["messages"], self.ack_timeout_s, headers=headers
+        )
         log.info("%s: sent %d events in %d messages, %d of %d END acknowledged", self.id,
                  self.events_sent, sum(state["messages"]), state["acked"], sent)  # fmt: skip
 

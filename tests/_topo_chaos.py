@@ -60,7 +60,8 @@ KINDS = ("data", "qc", "trigger")
 #: explores a new one, ``EVFLOW_CHAOS_SEED=N`` replays N
 DEFAULT_SEED = 17
 #: from the start of ``evflow up`` to its end: the streams last 3-5 s, a restart about
-#: 1.5 s, an END not acknowledged waits 10 s; past this a run counts as a hang
+#: 1.5 s, an END not acknowledged waits 10 s after its receiver left; past this a run
+#: counts as a hang
 END_BOUND_S = 75.0
 #: after a SIGKILL of the controller, every process of the session must be gone (its
 #: agents and devices die with it by PDEATHSIG: 0.24 s measured)

@@ -19,7 +19,7 @@ import numpy as np
 import zmq
 
 from evflow.hlt.eventbuilder import BuiltBatch
-from evflow.hlt.links import FragmentSender
+from evflow.hlt.links import FragmentSender, wait_acked
 
 __all__ = ["check_built", "fragment_block", "send_synthetic"]
 
@@ -73,7 +73,9 @@ def send_synthetic(
                 delay = t0 + (start - first + len(ids)) / rate_hz - time.monotonic()
                 if delay > 0:
                     time.sleep(delay)
-        ok = all(sender.end() for sender in senders)
+        for sender in senders:  # every END first: a builder device acknowledges one
+            sender.send_end()  # once its stream is built, which may need the others'
+        ok = not wait_acked(senders, 10.0)
     finally:
         for sender in senders:
             sender.close()

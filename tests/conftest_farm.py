@@ -40,7 +40,7 @@ def slurm_session(farm_session: NamespaceFarm) -> Iterator[SlurmCluster]:
 
 
 def _check_hosts_clean(farm: NamespaceFarm) -> None:
-    left = {name: farm.leftovers(name, timeout_s=10) for name in farm.hosts}
+    left = {name: farm.leftovers(name) for name in farm.hosts}
     left = {name: procs for name, procs in left.items() if procs}
     if left:
         for name in left:

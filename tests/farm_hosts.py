@@ -313,7 +313,7 @@ class NamespaceFarm:
     def daemon_pids(self, name: str) -> set[int]:
         return set(self.hosts[name].daemons.values())
 
-    def leftovers(self, name: str, timeout_s: float = 5.0) -> list[str]:
+    def leftovers(self, name: str, timeout_s: float = 30.0) -> list[str]:
         """Processes on ``name`` other than its daemons, after waiting up to ``timeout_s``
         for them to end (sshd's per-connection processes and slurmstepd take a moment)."""
         deadline = time.monotonic() + timeout_s

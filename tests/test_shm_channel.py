@@ -8,13 +8,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import zmq
 
+from _wait import wait_until
 from evflow.errors import ConfigurationError
 from evflow.runtime.devices.sink import read_all
 from evflow.transport.channel import open_channel, parse_channel_config
@@ -56,11 +56,13 @@ def sampler(
     )
 
 
-def wait_for(cond: object, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
+def mapped_by(pid: int, names: set[str]) -> bool:
+    """Whether process ``pid`` maps one of the /dev/shm regions ``names``."""
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return any(f"/dev/shm/{name}" in maps for name in names)
 
 
 def kill(*procs: subprocess.Popen[bytes]) -> None:
@@ -129,8 +131,8 @@ def test_kill_9_leaves_dev_shm_clean_after_the_next_start(tmp_path: Path, victim
     s = sink(session, tmp_path / "s.json")
     p = sampler(session, 0)  # for ever
     try:
-        wait_for(lambda: rings(p.pid))  # the sender's ring is in use
-        time.sleep(0.3)
+        # the sender's ring is in use: the sink maps it once it took a message from it
+        wait_until(lambda: mapped_by(s.pid, rings(p.pid)), 60, "the sink reading the ring", proc=s)
         with pinned(p.pid):
             if victim in ("sender", "both"):
                 p.send_signal(signal.SIGKILL)

@@ -153,7 +153,9 @@ def test_kill_9_of_either_side_while_views_are_held(pair: Pair, tmp_path: Path) 
     tx.send_signal(signal.SIGKILL)
     tx.wait(10)
     assert rings(tx.pid)  # the dead sender's region, still mapped by rx2
-    time.sleep(0.3)
+    # rx2 reads on what the dead sender had queued (in its region) until nothing comes
+    idle = pair.stats("r2")["idle"]
+    pair.wait_stats("r2", lambda r: r["idle"] > idle)
     stop.touch()  # rx2 re-checks the views it holds of the dead sender's region
     assert rx2.wait(30) == 0
     r2 = pair.stats("r2")
@@ -175,12 +177,14 @@ def test_kill_9_of_a_receiver_that_claimed_nothing_of_a_full_region(
     rx1 = pair.start("recv", "r1", "--stall", "--ready", str(ready), "--sndhwm", "16")
     tx = pair.start(
         "send", "s", "--sizes", str(200 * KB), "--shm-size", str(2 * MB), "--sndhwm", "16",
-        "--count", str(n),
+        "--count", str(n), "--stats-every", "1",
     )  # fmt: skip
-    # message 20 went: the first ones filled the region (9 chunks), copies follow them
-    pair.wait_stats("s", lambda s: s["sent"] >= 20 and s["heap"] > 0)
+    # the first ones filled the region (2 MB: at most 10 messages of 200 kB), copies
+    # follow them. Message 26 went: the sender's queue holds at most 16 (its sndhwm),
+    # so the markers of the region's chunks left it: they are in rx1's queue (16 more
+    # fit there), and go with rx1
+    pair.wait_stats("s", lambda s: s["sent"] >= 10 + 16 and s["heap"] > 0)
     assert ready.exists()
-    time.sleep(0.3)  # settled: the chunks' markers are in rx1's queue, not the sender's
     rx1.send_signal(signal.SIGKILL)
     rx1.wait(10)
     stop = tmp_path / "stop"

@@ -259,17 +259,16 @@ def test_terminal_sigint_is_relayed_in_order_and_children_ignore_it(tmp_path: Pa
 
 def test_second_sigint_ends_fast(tmp_path: Path) -> None:
     record = tmp_path / "order.txt"
-    # processes that take 30 s to drain: only the second SIGINT gets us out quickly
-    proc, pids = _start_supervisor_script(record, grace_s=60.0, linger_s=30.0)
+    # processes that take an hour to drain (and as long a grace): only the second SIGINT
+    # gets us out within the test's waits
+    proc, pids = _start_supervisor_script(record, grace_s=3600.0, linger_s=3600.0)
     try:
         os.kill(proc.pid, signal.SIGINT)
         # the first one handled (two sent at once could merge): the first group drains
         wait_until(lambda: record.exists() and "source" in record.read_text(), 30, "a drain")
         assert proc.poll() is None  # still draining the first group
-        start = time.monotonic()
         os.kill(proc.pid, signal.SIGINT)
-        proc.wait(timeout=25)
-        assert time.monotonic() - start < 15.0  # not the 30 s of the drain
+        proc.wait(timeout=60)
     finally:
         _reap(proc)
     deadline = time.monotonic() + 30
@@ -359,12 +358,10 @@ def test_devices_are_walked_down_fairmq_sequence_over_the_bus_in_order(
                 name,
                 str(record),
                 device_id=name,
-                grace_s=10.0,
+                grace_s=3600.0,  # a shutdown after the grace: the test's time-out fails it
             )
         _wait_on_bus(sup, ["first", "second"])
-        start = time.monotonic()
-        sup.shutdown()
-        assert time.monotonic() - start < 8  # over the bus, not after the grace (10 s)
+        sup.shutdown()  # over the bus
     finally:
         sup.close()
     steps = ["STOP", "RESET_TASK", "RESET_DEVICE", "END"]

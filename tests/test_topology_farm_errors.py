@@ -168,12 +168,12 @@ def test_slurm_without_a_free_node_is_one_error_not_a_hang(
     hosts = farm.write_hosts_file(tmp_path / "hosts.toml")
     job = _block("h3")
     try:
-        started = time.monotonic()
+        # not a hang: the blocking job runs for 600 s, and evflow() fails a run still
+        # going after 60 s
         proc = evflow(
             farm, "up", str(THREE), "--hosts", str(hosts), "--launcher", "slurm", "--insecure",
             "--quiet",
         )  # fmt: skip
-        took_s = time.monotonic() - started
     finally:
         subprocess.run(["scancel", job], check=False)
     assert proc.returncode == 1
@@ -181,5 +181,4 @@ def test_slurm_without_a_free_node_is_one_error_not_a_hang(
     assert len(errors) == 1, proc.stderr
     assert errors[0].startswith("evflow: error: host 'h3': srun on node 'h3' failed:")
     assert "no free Slurm node 'h3' within 5 s (--immediate); try later" in errors[0]
-    assert took_s < 30
     assert_clean(farm)

@@ -16,6 +16,7 @@ from evflow import DataStore, Module
 from evflow.errors import CodecError, ModuleError, OutputError
 from evflow.io import BusyWork, ToyGenerator
 from evflow.io._encoded_toy import ToyEncoder
+from evflow.processing import chain as chain_module
 from evflow.processing.chain import ModuleChain
 from evflow.processing.datastore import FLAG_DROPPED, EventMeta
 from evflow.processing.parallel import worker as worker_role
@@ -140,11 +141,21 @@ def test_event_batch_lets_evflow_errors_through_and_clears_the_cursor() -> None:
         assert words == [0]
 
 
-def test_event_batch_times_a_one_module_chain_once_per_batch() -> None:
+def test_event_batch_times_a_one_module_chain_once_per_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    readings: list[float] = []
+
+    def clock() -> float:  # the chain's clock, injected: 1.0, 2.5, 4.0, ...
+        readings.append(1.0 + 1.5 * len(readings))
+        return readings[-1]
+
+    monkeypatch.setattr(chain_module, "_clock", clock)
     chain = ModuleChain([BusyWork(work_ms=0.2)], process="w")
     chain.event_batch(stores(10), bytearray(10))
     (row,) = chain.statistics()
-    assert row.calls == 10 and 10 * 0.2e-3 <= row.time_s < 1.0
+    assert readings == [1.0, 2.5]  # read once before the batch and once after it
+    assert row.calls == 10 and row.time_s == 1.5
     assert chain.event_batch([], bytearray()) == []
 
 

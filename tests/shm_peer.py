@@ -138,6 +138,22 @@ def recv(a: argparse.Namespace, ch: Any) -> None:
         for m in msgs:
             m.release()
 
+    def check(i: int, payload: list[Any]) -> tuple[list[np.ndarray], list[InMessage]]:
+        """Every frame's bytes checked; their arrays, and the frames read in place.
+        (A function: no loop variable keeps the last view of a chunk alive after the
+        receiver says it is done, when the sender counts the chunks still out.)"""
+        arrays, msgs = [], []
+        for f in payload:
+            if isinstance(f, InMessage):
+                stats["in_region" if f.in_region else "over_zmq"] += 1
+                msgs.append(f)
+                arr = f.array()
+            else:
+                arr = np.frombuffer(f, np.uint8)
+            stats["bad"] += not np.array_equal(arr, pattern(len(arr), i))
+            arrays.append(arr)
+        return arrays, msgs
+
     if a.stall:  # a receiver that hangs: bound, reads nothing, its queue fills
         if a.ready:
             Path(a.ready).touch()
@@ -164,16 +180,7 @@ def recv(a: argparse.Namespace, ch: Any) -> None:
         i = msg.header["i"]
         stats["gaps"] += i != last + 1
         last = stats["last"] = i
-        arrays, msgs = [], []
-        for f in msg.payload:
-            if isinstance(f, InMessage):
-                stats["in_region" if f.in_region else "over_zmq"] += 1
-                msgs.append(f)
-                arr = f.array()
-            else:
-                arr = np.frombuffer(f, np.uint8)
-            stats["bad"] += not np.array_equal(arr, pattern(len(arr), i))
-            arrays.append(arr)
+        arrays, msgs = check(i, msg.payload)
         stats["received"] = got
         if a.hold and msgs:
             held.append((i, msgs, arrays))
@@ -192,6 +199,7 @@ def recv(a: argparse.Namespace, ch: Any) -> None:
             time.sleep(a.delay_ms / 1000)
     while held:
         check_held(*held.popleft())
+    ready.clear()  # stopped mid-batch: what it did not read goes back too
     stats["frames_in"] = ch.shm_frames_in
     write_json(a.stats, stats)
     Path(a.done).touch()

@@ -227,8 +227,11 @@ def main() -> None:
     ap.add_argument("--batch-stop", action="store_true", help="stop sending at --done")
     ap.add_argument("--many", action="store_true", help="receive with recv_many")
     ap.add_argument("--stall", action="store_true", help="receive nothing (until killed)")
+    ap.add_argument("--connect", action="store_true", help="the receiver connects (not binds)")
     a = ap.parse_args()
     kind, method = ("push", "connect") if a.role == "send" else ("pull", "bind")
+    if a.connect:
+        method = "connect"
     (cfg,) = parse_channel_config(
         f"name=data,type={kind},method={method},address={a.address},transport=shm,"
         f"shmSize={a.shm_size},sndBufSize={a.sndhwm},rcvBufSize={a.sndhwm},linger=0"

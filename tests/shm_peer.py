@@ -142,6 +142,22 @@ def recv(a: argparse.Namespace, ch: Any) -> None:
         for m in msgs:
             m.release()
 
+    def check(i: int, payload: list[Any]) -> tuple[list[np.ndarray], list[InMessage]]:
+        """Every frame's bytes checked; their arrays, and the frames read in place.
+        (A function: no loop variable keeps the last view of a chunk alive after the
+        receiver says it is done, when the sender counts the chunks still out.)"""
+        arrays, msgs = [], []
+        for f in payload:
+            if isinstance(f, InMessage):
+                stats["in_region" if f.in_region else "over_zmq"] += 1
+                msgs.append(f)
+                arr = f.array()
+            else:
+                arr = np.frombuffer(f, np.uint8)
+            stats["bad"] += not np.array_equal(arr, pattern(len(arr), i))
+            arrays.append(arr)
+        return arrays, msgs
+
     if a.stall:  # a receiver that hangs: bound, reads nothing, its queue fills
         if a.ready:
             Path(a.ready).touch()
@@ -169,16 +185,7 @@ def recv(a: argparse.Namespace, ch: Any) -> None:
         i = msg.header["i"]
         stats["gaps"] += i != last + 1
         last = stats["last"] = i
-        arrays, msgs = [], []
-        for f in msg.payload:
-            if isinstance(f, InMessage):
-                stats["in_region" if f.in_region else "over_zmq"] += 1
-                msgs.append(f)
-                arr = f.array()
-            else:
-                arr = np.frombuffer(f, np.uint8)
-            stats["bad"] += not np.array_equal(arr, pattern(len(arr), i))
-            arrays.append(arr)
+        arrays, msgs = check(i, msg.payload)
         stats["received"] = got
         if a.hold and msgs:
             held.append((i, msgs, arrays))
@@ -197,10 +204,7 @@ def recv(a: argparse.Namespace, ch: Any) -> None:
             time.sleep(a.delay_ms / 1000)
     while held:
         check_held(*held.popleft())
-    # the loop's names still refer to the last message and a view of it, which keeps
-    # its chunk: let go of it before saying "done" (the sender then counts the chunks
-    # in use: a loaded machine used to find this one still held, 1 in ~40 runs)
-    msg = f = arr = None
+    ready.clear()  # stopped mid-batch: what it did not read goes back too
     stats["frames_in"] = ch.shm_frames_in
     write_json(a.stats, stats)
     Path(a.done).touch()
@@ -229,8 +233,11 @@ def main() -> None:
     ap.add_argument("--batch-stop", action="store_true", help="stop sending at --done")
     ap.add_argument("--many", action="store_true", help="receive with recv_many")
     ap.add_argument("--stall", action="store_true", help="receive nothing (until killed)")
+    ap.add_argument("--connect", action="store_true", help="the receiver connects (not binds)")
     a = ap.parse_args()
     kind, method = ("push", "connect") if a.role == "send" else ("pull", "bind")
+    if a.connect:
+        method = "connect"
     (cfg,) = parse_channel_config(
         f"name=data,type={kind},method={method},address={a.address},transport=shm,"
         f"shmSize={a.shm_size},sndBufSize={a.sndhwm},rcvBufSize={a.sndhwm},linger=0"

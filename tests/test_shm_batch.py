@@ -47,6 +47,10 @@ def test_batches_arrive_whole_in_order_and_the_region_ends_free(pair: Pair, rece
     n = 700
     many = ["--many"] if receive == "recv_many" else []
     pair.start("recv", "r", "--count", str(n), "--views", "mixed", "--hold", "3", *many)
+    # bound and reading (its first stats come when it is idle): else the sender, which
+    # connects, may queue all 700 in ZeroMQ before the receiver runs and copy all but
+    # the region's first 38 frames (seen on a loaded host)
+    pair.wait_stats("r", lambda r: True)
     tx = pair.start(
         "send", "s", "--count", str(n), "--mode", "mixed", "--sizes", SIZES,
         "--shm-size", str(4 * MB), "--batch", "7",

@@ -24,9 +24,9 @@ import zmq
 from evflow.transport.channel import open_channel, parse_channel_config
 from evflow.transport.shm_channel import RING_PREFIX, InMessage, ShmChannel
 from evflow.transport.shm_marker import INLINE, REGION, SOCKET, pack_marker
-from evflow.transport.shm_region import DATA_OFF
+from evflow.transport.shm_region import _C_STATE, DATA_OFF, SENT
 from evflow.wire.messages import MsgType, decode_message, encode_message
-from shm_peer import pinned, rings, sizes_of
+from shm_peer import pattern, pinned, rings, sizes_of
 
 PEER = str(Path(__file__).with_name("shm_peer.py"))
 
@@ -199,6 +199,101 @@ def test_kill_9_of_a_receiver_that_claimed_nothing_of_a_full_region(
     assert r2["over_zmq"] > 0 and r2["in_region"] > 20
     assert s["reclaimed_dead"] >= 9 and s["in_use"] == 0  # the lost ones taken back
     assert not rings(tx.pid)
+
+
+def _wait_event(monitor: Any, event: int, timeout_s: float = 30.0) -> None:
+    """Until the socket monitor reports ``event`` (other events are skipped)."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left_ms = int((deadline - time.monotonic()) * 1000)
+        assert left_ms > 0 and monitor.poll(left_ms), f"no socket event {event} came"
+        if recv_monitor_message(monitor)["event"] == event:
+            return
+
+
+@pytest.mark.parametrize("ahead", [1, 4])
+def test_a_region_full_of_chunks_lost_with_a_killed_receiver_is_used_again(
+    pair: Pair, ahead: int
+) -> None:
+    """A receiver process SIGKILLed before it claimed anything, with every chunk of the
+    region (and a copy after them) sent to it: the sender binds, so PUSH drops the dead
+    peer's queue and the chunks are lost, all still SENT (none HELD: the rule for the
+    chunks of a dead holder takes none back). A new receiver then gets every message
+    sent after it came, in order, each once, every byte right; counted in messages, not
+    time: the sender keeps ``ahead`` messages in flight, so the first ``ahead`` are
+    copies (the region is full of lost chunks when they are sent), and every later one
+    is in the region again: the first copy's send sequence told the sender that the
+    chunks were lost. No chunk is left out at the end. (Before copies carried a send
+    sequence, every message after the kill was a copy.)"""
+    size, n = 200 * KB, 40
+    ctx: zmq.Context[Any] = zmq.Context()
+    (tx_cfg,) = parse_channel_config(
+        f"name=data,type=push,method=bind,address={pair.address},transport=shm,"
+        f"shmSize={2 * MB},linger=0"
+    )
+    (rx_cfg,) = parse_channel_config(
+        f"name=data,type=pull,method=connect,address={pair.address},transport=shm,linger=0"
+    )
+    tx = open_channel(ctx, tx_cfg, pair.session)
+    assert isinstance(tx, ShmChannel)
+    rx: ShmChannel | None = None
+    monitor = tx.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+    sent_in_region: list[bool] = []
+
+    def send(i: int) -> None:
+        msg = tx.new_message(size)
+        msg.array()[:] = pattern(size, i)
+        sent_in_region.append(msg.in_region)
+        tx.send(encode_message(MsgType.EVENTS, {"i": i}, [msg]))
+
+    try:
+        rx1 = pair.start("recv", "r1", "--stall", "--connect")
+        _wait_event(monitor, zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        i = 0
+        while not sent_in_region or sent_in_region[-1]:  # until one is a copy
+            send(i)
+            i += 1
+        region = tx._region
+        assert region is not None
+        lost = region.in_use()
+        assert lost == i - 1 >= 5 and region.reclaimed_dead == 0
+        assert all(region._w[o // 8 + _C_STATE] == SENT for o in region._live)
+        rx1.send_signal(signal.SIGKILL)
+        rx1.wait(10)
+        _wait_event(monitor, zmq.EVENT_DISCONNECTED)  # its queue is gone with it
+        rx = open_channel(ctx, rx_cfg, pair.session)
+        assert isinstance(rx, ShmChannel)
+        _wait_event(monitor, zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        first = i
+        sent_in_region.clear()
+        for k in range(first, first + ahead):
+            send(k)
+        got_in_region: list[bool] = []
+        for k in range(first, first + n):
+            assert rx.poll(30_000)
+            got = decode_message(rx.recv(views=True))
+            assert got.header == {"i": k}  # every one, in order, once
+            with got.payload[0] as payload:
+                assert isinstance(payload, InMessage)
+                assert np.array_equal(payload.array(), pattern(size, k))
+                got_in_region.append(payload.in_region)
+            del got, payload  # the chunk goes back before the next send
+            if k + ahead < first + n:
+                send(k + ahead)
+        assert sent_in_region == got_in_region == [False] * ahead + [True] * (n - ahead)
+        assert not rx.poll(100)  # nothing more: what rx1 was sent went with it
+        assert rx.shm_bad == 0
+        assert region.reclaimed_dead == lost and region.in_use() == 0
+    finally:
+        tx.socket.disable_monitor()
+        monitor.close(0)
+        tx.close(0)
+        if rx is not None:
+            rx.close(0)
+        ctx.term()
+    assert not rings(os.getpid())
 
 
 def test_kill_9_of_both_while_views_are_held(pair: Pair, tmp_path: Path) -> None:

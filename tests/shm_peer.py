@@ -21,7 +21,7 @@ import mmap
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -142,7 +142,7 @@ def recv(a: argparse.Namespace, ch: Any) -> None:
         for m in msgs:
             m.release()
 
-    def check(i: int, payload: list[Any]) -> tuple[list[np.ndarray], list[InMessage]]:
+    def check(i: int, payload: Sequence[Any]) -> tuple[list[np.ndarray], list[InMessage]]:
         """Every frame's bytes checked; their arrays, and the frames read in place.
         (A function: no loop variable keeps the last view of a chunk alive after the
         receiver says it is done, when the sender counts the chunks still out.)"""

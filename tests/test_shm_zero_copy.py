@@ -263,8 +263,9 @@ def test_a_region_full_of_chunks_lost_with_a_killed_receiver_is_used_again(
         rx1.send_signal(signal.SIGKILL)
         rx1.wait(10)
         _wait_event(monitor, zmq.EVENT_DISCONNECTED)  # its queue is gone with it
-        rx = open_channel(ctx, rx_cfg, pair.session)
-        assert isinstance(rx, ShmChannel)
+        opened = open_channel(ctx, rx_cfg, pair.session)
+        assert isinstance(opened, ShmChannel)
+        rx = opened
         _wait_event(monitor, zmq.EVENT_HANDSHAKE_SUCCEEDED)
         first = i
         sent_in_region.clear()

@@ -229,3 +229,60 @@ def test_keyring_gives_channel_options_per_host(ctx: zmq.Context[Any], tmp_path:
         ring.server_options("h3")
     with pytest.raises(ConfigurationError, match="does not exist"):
         curve.KeyRing(tmp_path / "nope")
+
+
+#: a sender's END wait follows its receiver's connection on a CURVE channel, whose one
+#: socket monitor is the refusal log's (a second monitor closed the first under its
+#: thread: SIGABRT in libzmq's signaler, every farm sampler at its END); run in a child
+#: so that an abort fails the test instead of ending the suite
+_PEER_WATCH = """
+import sys, time
+from pathlib import Path
+import zmq
+from evflow.runtime.devices._stream import PeerWatch
+from evflow.transport.channel import open_channel, parse_channel_config
+
+keys = Path(sys.argv[1])
+k = keys / "keys"
+ctx = zmq.Context()
+
+def server(port, secret):
+    return open_channel(ctx, parse_channel_config(
+        f"name=data,type=pull,method=bind,address=tcp://127.0.0.1:{port},curve=server,"
+        f"curveSecretKey={secret},curveAllow={k}")[0], "s")
+
+srv = server(0, k / "server.key_secret")
+address = srv.endpoints[0]
+cli = open_channel(ctx, parse_channel_config(
+    f"name=data,type=push,method=connect,address={address},curve=client,"
+    f"curveSecretKey={k}/client.key_secret,curveServerKey={k}/server.key,linger=0")[0], "c")
+cli.send([b"data"])
+assert srv.poll(30_000), "the allowed client got nothing through"
+srv.recv()
+watch = PeerWatch(cli)
+assert watch.connected
+srv.close()
+deadline = time.monotonic() + 60
+while watch.connected:
+    assert time.monotonic() < deadline, "the receiver's departure was never seen"
+    watch.read()
+    time.sleep(0.02)
+watch.close()
+# the refusal log still runs: a server with another key at that address is refused
+stranger = server(address.rsplit(":", 1)[1], keys / "other/stranger.key_secret")
+while cli.security.refusals < 1:
+    assert time.monotonic() < deadline, "no refusal counted after the END wait"
+    time.sleep(0.02)
+print("watched")
+"""
+
+
+def test_an_end_wait_on_a_curve_channel_sees_its_receiver_leave_and_keeps_the_refusal_log(
+    keys: Path, tmp_path: Path
+) -> None:
+    script = tmp_path / "peer_watch.py"
+    script.write_text(_PEER_WATCH)
+    done = subprocess.run([sys.executable, str(script), str(keys)], capture_output=True,
+                          text=True, timeout=180)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "watched"

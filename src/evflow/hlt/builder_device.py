@@ -15,7 +15,7 @@ Both end when every expected source sent END (and everything is built), or when 
 fragment came for ``end_timeout_s`` after at least one source ended.
 
 The device may be restarted (``restart = "on-failure"``, docs/hlt.md "Restarts"): it
-keeps, in its session's directory (:class:`~evflow.runtime.devices._streamrecord.StreamRecord`
+keeps, in its session's directory (:class:`~evflow.runtime.devices.StreamRecord`
 and a file mapping of built ids), the batches it sent on, the events they held, the id
 below which everything had left construction, the ids it built above it, and the
 streams whose END it acknowledged (only once their every event had gone on). Its next
@@ -56,8 +56,7 @@ from evflow.processing.datastore import DataStore, EventMeta
 from evflow.processing.module import Source
 from evflow.processing.parallel.lazystore import LazyEvent
 from evflow.runtime.device import Device
-from evflow.runtime.devices._stream import end_and_wait
-from evflow.runtime.devices._streamrecord import StreamRecord
+from evflow.runtime.devices import StreamRecord, end_and_wait
 from evflow.wire.codec import encode_event
 
 __all__ = ["EventBuilderDevice", "EventBuilderInput", "parse_sources"]

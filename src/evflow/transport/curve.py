@@ -24,6 +24,7 @@ import os
 import socket as pysocket
 import stat
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -160,6 +161,14 @@ class CurveOptions:
     allow: str = ""
 
 
+#: the socket events that tell whether a peer is connected (and why it is not)
+CONNECTION_EVENTS = (
+    zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+    | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CONNECT_DELAYED | zmq.EVENT_ACCEPTED
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)  # fmt: skip
+
 _FAILED_EVENTS: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed (protocol: plaintext peer or "
@@ -184,6 +193,10 @@ class CurveSecurity:
         self._monitor: threading.Thread | None = None
         self._socket: zmq.Socket[Any] | None = None
         self._peers: dict[int, str] = {}
+        #: callbacks given every monitor event (kind, value, endpoint), from the watcher
+        #: thread: libzmq keeps one monitor per socket, and a second one started on it
+        #: closes this one under the watcher's feet (abort in signaler.cpp)
+        self._listeners: list[Callable[[int, int, str], None]] = []
         self._public, self._secret = load_secret_key(options.secret_key)
         if options.role == "client":
             self._server_key = load_public_key(options.server_key)
@@ -205,14 +218,21 @@ class CurveSecurity:
         else:
             sock.curve_serverkey = self._server_key
         self._socket = sock
-        events = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-        events |= zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-        events |= zmq.EVENT_MONITOR_STOPPED  # ends the watcher on close()
-        monitor = sock.get_monitor_socket(events)
+        # the events of the refusal log and those a listener follows a peer by
+        monitor = sock.get_monitor_socket(CONNECTION_EVENTS | zmq.EVENT_MONITOR_STOPPED)
         self._monitor = threading.Thread(
             target=self._watch, args=(monitor,), daemon=True, name=f"curve-{self.label}"
         )
         self._monitor.start()
+
+    def listen(self, callback: Callable[[int, int, str], None]) -> None:
+        """Give ``callback`` every later monitor event of the socket (in the watcher
+        thread): the one way to follow a CURVE socket's connections."""
+        self._listeners.append(callback)
+
+    def unlisten(self, callback: Callable[[int, int, str], None]) -> None:
+        with contextlib.suppress(ValueError):
+            self._listeners.remove(callback)
 
     def refused(self, peer: str, reason: str) -> None:
         """Count a refusal; log it the first time this peer fails for this reason."""
@@ -234,6 +254,8 @@ class CurveSecurity:
                 kind, value, endpoint = event["event"], event["value"], event["endpoint"]
                 if kind == zmq.EVENT_MONITOR_STOPPED:
                     return
+                for listener in list(self._listeners):
+                    listener(kind, value, endpoint.decode(errors="replace"))
                 if kind == zmq.EVENT_ACCEPTED:
                     self._peers[value] = _peer_of(value)
                 elif kind in _FAILED_EVENTS:

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
         send_end,
         wait_for_acks,
     )
+    from evflow.runtime.devices._streamrecord import StreamRecord
     from evflow.runtime.devices.eventsink import SinkDevice, decode_events
     from evflow.runtime.devices.source import SourceDevice, instance_index
     from evflow.wire.messages import Message, MsgType
@@ -59,6 +60,7 @@ _LAZY = {
     "end_and_wait": "evflow.runtime.devices._stream",
     "send_end": "evflow.runtime.devices._stream",
     "wait_for_acks": "evflow.runtime.devices._stream",
+    "StreamRecord": "evflow.runtime.devices._streamrecord",
     "SinkDevice": "evflow.runtime.devices.eventsink",
     "decode_events": "evflow.runtime.devices.eventsink",
     "SourceDevice": "evflow.runtime.devices.source",
@@ -91,6 +93,7 @@ __all__ = [
     "Origin",
     "SinkDevice",
     "SourceDevice",
+    "StreamRecord",
     "acknowledge",
     "decode_events",
     "end_and_wait",

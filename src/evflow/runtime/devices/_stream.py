@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from evflow.runtime._loops import send_when_ready
 from evflow.runtime.device import BIDIRECTIONAL, Device, Origin
 from evflow.runtime.devices._streamrecord import StreamRecord
 from evflow.transport.channel import Channel
+from evflow.transport.curve import CONNECTION_EVENTS
 from evflow.wire.messages import Message, MsgType, encode_message
 
 log = logging.getLogger("evflow.device")
@@ -153,6 +155,9 @@ def acknowledge(dev: Device, msg: Message, origin: Origin, **extra: Any) -> bool
     return False
 
 
+_UP_EVENTS = frozenset({zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED})
+
+
 class PeerWatch:
     """Whether the peer of a sub-channel is still there, from its socket's monitor events.
 
@@ -160,15 +165,11 @@ class PeerWatch:
     there (it was, for the data before the END). A connecting socket's peer is gone
     from a disconnection or a failed (re)connect until it connects again; a binding
     socket's when the last connection it saw accepted, or an earlier one, closed.
-    Inproc and raw channels give no events: their peer always counts as there."""
+    Inproc and raw channels give no events: their peer always counts as there.
 
-    EVENTS = (
-        zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
-        | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CONNECT_DELAYED | zmq.EVENT_ACCEPTED
-        | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-        | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-    )  # fmt: skip
-    _UP = frozenset({zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED})
+    libzmq keeps one monitor per socket: a CURVE channel's is its refusal watcher's,
+    so the events come from that (``monitor`` is None and ``read`` is called each
+    turn); another channel gets a monitor socket of its own to poll."""
 
     def __init__(self, ch: Channel) -> None:
         self._channel = ch
@@ -176,7 +177,13 @@ class PeerWatch:
         self._bound = {url for url, m in zip(ch.endpoints, methods, strict=False) if m == "bind"}
         self._up: dict[str, bool] = dict.fromkeys(ch.endpoints, True)
         self._accepted: set[int] = set()
-        self.monitor: zmq.Socket[Any] = ch.socket.get_monitor_socket(self.EVENTS)
+        self._events: deque[tuple[int, int, str]] = deque()
+        self._security = ch.security
+        self.monitor: zmq.Socket[Any] | None = None
+        if self._security is not None:
+            self._security.listen(self._take)
+        else:
+            self.monitor = ch.socket.get_monitor_socket(CONNECTION_EVENTS)
 
     @property
     def connected(self) -> bool:
@@ -187,27 +194,37 @@ class PeerWatch:
             return next(iter(self._up))  # (the one endpoint, spelled another way)
         return endpoint
 
+    def _take(self, kind: int, value: int, endpoint: str) -> None:
+        self._events.append((kind, value, endpoint))  # (deque: safe from another thread)
+
     def read(self) -> None:
-        """Take the events that arrived (call when ``monitor`` is readable)."""
-        while self.monitor.poll(0):
+        """Take the events that arrived (call when ``monitor`` is readable, or each turn
+        without one)."""
+        while self.monitor is not None and self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)
-            kind, fd = event["event"], event["value"]
-            key = self._key(event["endpoint"].decode(errors="replace"))
+            self._take(event["event"], event["value"], event["endpoint"].decode(errors="replace"))
+        while self._events:
+            kind, fd, endpoint = self._events.popleft()
+            key = self._key(endpoint)
             if key in self._bound:  # a connection to our bound address, by its fd
                 if kind == zmq.EVENT_ACCEPTED:
                     self._accepted.add(fd)
                 elif kind == zmq.EVENT_DISCONNECTED:
                     self._accepted.discard(fd)
                     self._up[key] = False  # (connections from before we watched: gone too)
-            elif kind in self._UP:
+            elif kind in _UP_EVENTS:
                 self._up[key] = True
             elif kind != zmq.EVENT_ACCEPTED:
                 self._up[key] = False
 
     def close(self) -> None:
-        with contextlib.suppress(zmq.ZMQError):
-            self._channel.socket.disable_monitor()
-        self.monitor.close(0)
+        if self._security is not None:
+            self._security.unlisten(self._take)  # (its monitor stays: the refusal log's)
+            return
+        if self.monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._channel.socket.disable_monitor()
+            self.monitor.close(0)
 
 
 def end_and_wait(
@@ -269,7 +286,8 @@ def _await_acks(
     expected = len(watches)
     per_channel = sources is subs  # ACKs on the data sockets: one per sub-channel
     by_socket = {ch.socket: i for i, ch in enumerate(sources)}
-    by_monitor = {w.monitor: w for w in watches.values()}
+    by_monitor = {w.monitor: w for w in watches.values() if w.monitor is not None}
+    unpolled = [w for w in watches.values() if w.monitor is None]
     acked: set[Any] = set()  # sub-channel indices, or (ack channel) receiver ids
     given_up: dict[int, str] = {}  # sub-channel -> why
     gone_since: dict[int, float] = {}  # sub-channel (-1: the ack channel's receivers)
@@ -285,6 +303,8 @@ def _await_acks(
         waiting = [i for i in watches if i not in acked and i not in given_up]
         if not per_channel:
             waiting = list(watches) if len(acked) < expected else []
+        for unpolled_watch in unpolled:
+            unpolled_watch.read()
         if now >= resend_at:
             resend_at = now + END_RESEND_S
             for i in waiting:

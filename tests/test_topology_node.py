@@ -49,10 +49,8 @@ def test_a_missing_peer_endpoint_is_one_error_naming_the_peer(bus: Any) -> None:
     device = Sink("sink", context=context)
     exchange = Exchange(client, launch([("merger.data-out", True)]), timeout_s=0.5)
     try:
-        started = time.monotonic()
-        with pytest.raises(PeerLostError) as info:
+        with pytest.raises(PeerLostError) as info:  # after 0.5 s (a hang: the test's time-out)
             exchange.channel_configs(device, binding=False)
-        assert time.monotonic() - started < 5
         message = str(info.value)
         assert "device 'sink'" in message and "merger.data-out" in message
         assert "peer merger did not bind" in message

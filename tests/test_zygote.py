@@ -309,7 +309,7 @@ def test_starting_after_a_zmq_context_warns(caplog: pytest.LogCaptureFixture) ->
     context = zmq.Context()
     sock = context.socket(zmq.PUB)
     try:
-        deadline = time.monotonic() + 5  # libzmq's threads name themselves once running
+        deadline = time.monotonic() + 30  # libzmq's threads name themselves once running
         while not zmq_threads_running() and time.monotonic() < deadline:
             time.sleep(0.01)
         with Zygote():

@@ -41,7 +41,7 @@ BAD_VALUES: tuple[Any, ...] = (
 class BusAttacker:
     """An XPUB connected to the proxy's publish side of ``session``'s local bus."""
 
-    def __init__(self, session: str, timeout_s: float = 10.0) -> None:
+    def __init__(self, session: str, timeout_s: float = 60.0) -> None:
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.pub = self.ctx.socket(zmq.XPUB)
         self.pub.linger = 1000

@@ -101,7 +101,7 @@ class RoleKiller(threading.Thread):
             if self.gate is not None:
                 self.gate.touch()
 
-    def finish(self, timeout_s: float = 10.0) -> int:
+    def finish(self, timeout_s: float = 60.0) -> int:
         """Join the thread; fail the test unless it killed; return the killed pid."""
         self.join(timeout=timeout_s)
         assert not self.is_alive(), f"the killer of {self.name_!r} is still waiting"

@@ -57,7 +57,7 @@ _early: dict[int, str] = {}
 _unread: dict[int, str] = {}
 
 
-def wait_for_line(proc: subprocess.Popen[str], wanted: str, timeout_s: float = 20) -> list[str]:
+def wait_for_line(proc: subprocess.Popen[str], wanted: str, timeout_s: float = 60) -> list[str]:
     """Read stdout lines until one equals ``wanted`` (bounded by ``timeout_s``); return them.
 
     Reads the raw pipe with select so that it cannot block past the deadline; what it
@@ -91,7 +91,7 @@ def wait_for_line(proc: subprocess.Popen[str], wanted: str, timeout_s: float = 2
     raise AssertionError(f"never saw {wanted!r}; stdout {buf!r}; stderr {(err or '')[-2000:]}")
 
 
-def wait_for_stderr(proc: subprocess.Popen[str], wanted: str, timeout_s: float = 20) -> str:
+def wait_for_stderr(proc: subprocess.Popen[str], wanted: str, timeout_s: float = 60) -> str:
     """Read the process's log (stderr) until a line contains ``wanted``; bounded.
 
     Returns what it read; that text is not given back by :func:`finish`.

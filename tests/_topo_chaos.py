@@ -369,8 +369,12 @@ class Hostile:
         path = self.runtime / self.session / "bus-in.ipc"
         if not path.exists():
             return
-        pub = self._sock(zmq.PUB, path)
-        time.sleep(0.05)  # (the proxy's subscription must reach the PUB first)
+        # an XPUB hears the proxy's subscriptions: what is sent after the first one
+        # reaches the bus (a PUB drops everything before; a proxy gone or too slow to
+        # subscribe within 2 s gets an attack that is lost, as before)
+        pub = self._sock(zmq.XPUB, path)
+        if pub.poll(2000):
+            pub.recv_multipart()
         for frames in bus_messages(self.session):
             self.sent += send(pub, frames)
 

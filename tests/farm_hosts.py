@@ -91,7 +91,7 @@ def zombie(pid: int) -> bool:
         return True
 
 
-def read_pid(path: Path, timeout_s: float = 10) -> int:
+def read_pid(path: Path, timeout_s: float = 60) -> int:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with contextlib.suppress(FileNotFoundError, ValueError, IndexError):
@@ -102,7 +102,7 @@ def read_pid(path: Path, timeout_s: float = 10) -> int:
     raise RuntimeError(f"daemon did not write its pid file {path} within {timeout_s} s")
 
 
-def wait_port(address: str, port: int, timeout_s: float = 10) -> None:
+def wait_port(address: str, port: int, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -394,7 +394,7 @@ def probe_env(**extra: str) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(paths), **extra}
 
 
-def read_json_line(stream: object, timeout_s: float = 20) -> dict[str, object]:
+def read_json_line(stream: object, timeout_s: float = 60) -> dict[str, object]:
     """The next line of ``stream`` (a pipe) as JSON, bounded by ``timeout_s``."""
     import json
     import select

@@ -81,7 +81,7 @@ def bus(tmp_path: Path) -> Iterator[tuple[Supervisor, BusController, Path]]:
 def _ask_all(controller: BusController, cmd: str, want: set[str]) -> dict[str, dict[str, Any]]:
     """Broadcast until every node in ``want`` answered (nodes start asynchronously)."""
     got: dict[str, dict[str, Any]] = {}
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while not want <= set(got) and time.monotonic() < deadline:
         for reply in controller.request(cmd, "*", timeout_s=0.5):
             got[reply["from"]] = reply
@@ -126,7 +126,7 @@ def test_state_changes_and_metrics_are_published(bus: Any) -> None:
     _, controller, _ = bus
     _ask_all(controller, "check-state", {"n1", "n2"})
     controller.seen.clear()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while not {"n1", "n2"} <= set(controller.seen) and time.monotonic() < deadline:
         controller._recv(0.1)  # METRICS every 0.2 s from each node
     assert controller.seen.get("n1") == "RUNNING" and controller.seen.get("n2") == "RUNNING"
@@ -230,7 +230,7 @@ def test_proxy_removes_its_ipc_files_when_stopped(bus: Any) -> None:
     session = runtime_base_dir() / sup.session
     assert (session / BUS_IN).exists() and (session / BUS_OUT).exists()
     sup.kill("bus", 15)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while sup.processes["bus"].alive and time.monotonic() < deadline:
         sup.poll(0.05)
     assert sup.processes["bus"].returncode == 0
@@ -261,7 +261,7 @@ def test_a_killed_proxy_is_restarted_and_nodes_are_reached_again(bus: Any) -> No
     _ask_all(controller, "check-state", {"bus", "n1"})
     old = sup.processes["bus"].pid
     sup.kill("bus", 9)  # stale ipc files stay behind; the new proxy must rebind them
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while sup.processes["bus"].pid == old and time.monotonic() < deadline:
         sup.poll(0.05)
     assert sup.processes["bus"].alive and sup.processes["bus"].restarts == 1

@@ -57,7 +57,7 @@ def _client(ctx: zmq.Context[Any], address: str, secret: Path, server_key: Path)
     return open_channel(ctx, cfg, "s")
 
 
-def _wait_refusals(ch: Channel, n: int, timeout_s: float = 10) -> None:
+def _wait_refusals(ch: Channel, n: int, timeout_s: float = 30) -> None:
     assert ch.security is not None
     deadline = time.monotonic() + timeout_s
     while ch.security.refusals < n:

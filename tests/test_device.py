@@ -408,7 +408,7 @@ def test_address_in_use_between_two_device_processes(_runtime_dir: Path) -> None
     cfg = ("--channel-config", "name=data,type=pull,method=bind,address=ipc://taken")
     first = start_device("sink", "--id", "a", *cfg)
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         while not (_runtime_dir / "default" / "taken").exists():
             assert time.monotonic() < deadline
             time.sleep(0.05)

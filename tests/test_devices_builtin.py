@@ -211,7 +211,7 @@ def test_random_bytes_on_every_socket_type_are_counted_not_fatal(
     stats = tmp_path / "sink.json"
     sink = start_sink("sink", *args, stats=stats)
     base = _runtime_dir / "default"
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60
     while not all((base / f"g-{k}").exists() for k in PEERS):
         assert time.monotonic() < deadline and sink.poll() is None
         time.sleep(0.05)

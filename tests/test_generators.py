@@ -54,11 +54,11 @@ def test_seeds_give_different_events_and_empty_payloads_work() -> None:
 
 def test_event_creation_is_cheap() -> None:
     gen = ToyGenerator(n_events=20_000, payload_bytes=1024)
-    t0 = time.perf_counter()
+    cpu0 = time.thread_time()  # CPU time: what the machine's load does not stretch
     n = sum(1 for _ in gen.events())
-    per_event_us = (time.perf_counter() - t0) / n * 1e6
+    per_event_us = (time.thread_time() - cpu0) / n * 1e6
     assert n == 20_000
-    assert per_event_us < 30, f"{per_event_us:.1f} µs per 1 kB event"  # ~2 µs measured
+    assert per_event_us < 30, f"{per_event_us:.1f} µs of CPU per 1 kB event"  # ~2 µs measured
 
 
 def test_busy_work_burns_cpu_time_not_wall_time() -> None:

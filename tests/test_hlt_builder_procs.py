@@ -160,7 +160,7 @@ def test_garbage_unknown_sources_and_far_ids_over_a_socket(ctx: zmq.Context[obje
         rogue.send_multipart([os.urandom(50)])  # garbage bytes
         rogue.send_multipart([b"\x03", b"\x81\xa1s\x00"])  # a batch without HELLO
         rogue.send_multipart(encode_message(MsgType.HELLO, {"protocol": 1, "source": 9}))
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         for sender in good:
             while not sender.wait_credit(time.monotonic() + 0.02):  # one thread: pump here
                 assert time.monotonic() < deadline
@@ -225,7 +225,7 @@ def test_eventbuilder_device_to_sink(tmp_path: Path) -> None:
     procs = [builder, sink]
     try:
         addr = f"ipc://{session_dir('default') / 'frags'}"
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         while not (session_dir("default") / "frags").exists():
             assert time.monotonic() < deadline
             time.sleep(0.05)

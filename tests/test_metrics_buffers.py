@@ -72,8 +72,8 @@ def test_the_bus_proxy_reports_rss_cpu_and_its_buffers(_runtime_dir: Any) -> Non
 
 def test_the_roles_report_what_they_hold_against_their_limits(start_run: Any) -> None:  # noqa: F811
     run = start_run(workers=2, work_ms=20.0)
-    run.wait_all(dict.fromkeys(("input", "output", "worker-0", "worker-1"), "RUNNING"), 15.0)
-    deadline = time.monotonic() + 15
+    run.wait_all(dict.fromkeys(("input", "output", "worker-0", "worker-1"), "RUNNING"), 60.0)
+    deadline = time.monotonic() + 60
     inp: dict[str, Any] = {}
     while time.monotonic() < deadline:  # (the first windows fill as the workers start)
         inp = run.metrics("input")

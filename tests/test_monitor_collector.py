@@ -105,7 +105,7 @@ def test_collector_hears_publishers_on_a_real_bus(proxy: BusProxy) -> None:
     ctx: zmq.Context[Any] = zmq.Context()
     clients = [BusClient(ctx, f"worker-{i}", proxy.endpoints) for i in range(3)]
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             for i, c in enumerate(clients):
                 c.metrics.events_in = 10 * (i + 1)
@@ -116,7 +116,7 @@ def test_collector_hears_publishers_on_a_real_bus(proxy: BusProxy) -> None:
                 break
         assert total(samples, "evflow_events_processed_total", role="worker") == 60
         clients[0].publish_state(new="ERROR")
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while time.monotonic() < deadline and store.nodes()[0].state != "ERROR":
             time.sleep(0.02)
         assert {r.node_id: r.state for r in store.nodes()}["worker-0"] == "ERROR"
@@ -186,7 +186,7 @@ def test_the_collector_thread_survives_hostile_metrics_on_a_real_bus(proxy: BusP
     ctx: zmq.Context[Any] = zmq.Context()
     client = BusClient(ctx, "worker-0", proxy.endpoints)
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         good = _metrics("worker-0", 1, 42)
         while time.monotonic() < deadline and not store.nodes():
             client.publish(MsgType.METRICS, {"from": "worker-0", "metrics": {5: "x"}})

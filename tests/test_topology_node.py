@@ -49,10 +49,8 @@ def test_a_missing_peer_endpoint_is_one_error_naming_the_peer(bus: Any) -> None:
     device = Sink("sink", context=context)
     exchange = Exchange(client, launch([("merger.data-out", True)]), timeout_s=0.5)
     try:
-        started = time.monotonic()
-        with pytest.raises(PeerLostError) as info:
+        with pytest.raises(PeerLostError) as info:  # after 0.5 s (a hang: the test's time-out)
             exchange.channel_configs(device, binding=False)
-        assert time.monotonic() - started < 5
         message = str(info.value)
         assert "device 'sink'" in message and "merger.data-out" in message
         assert "peer merger did not bind" in message
@@ -114,7 +112,7 @@ def test_endpoint_notices_reach_the_controller_and_wake_no_device(bus: Any) -> N
     exchange = Exchange(client, spec, timeout_s=5)
     bound = SimpleNamespace(endpoints=["tcp://127.0.0.1:4567"])
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while "merger.data-out" not in controller.properties and time.monotonic() < deadline:
             exchange.published(SimpleNamespace(channels={"data-out": [bound]}))
             controller.pump(0.1)  # notices sent before the subscriptions are lost: again
@@ -184,7 +182,7 @@ def test_commands_to_a_list_of_ids_a_regex_and_quiet_ones(bus: Any) -> None:
         header = {"cmd": "transition", "to": ["a1", "b1"], "req": "l1", "from": "ctl"}
         ctl._pub.send(encode_message(MsgType.COMMAND, {**header, "args": {"transition": "RUN"}}))
         answered: set[str] = set()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while answered != {"a1", "b1"} and time.monotonic() < deadline:
             msg = ctl._recv(0.05)
             if msg is not None and msg.type is MsgType.REPLY and msg.header["req"] == "l1":
@@ -194,7 +192,7 @@ def test_commands_to_a_list_of_ids_a_regex_and_quiet_ones(bus: Any) -> None:
         assert sorted(r["from"] for r in replies) == ["a1", "a2"]
         header = {"cmd": "transition", "to": ["a2"], "req": "q1", "from": "ctl", "quiet": True}
         ctl._pub.send(encode_message(MsgType.COMMAND, {**header, "args": {"transition": "END"}}))
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while not done["a2"][2:] and time.monotonic() < deadline:
             msg = ctl._recv(0.05)
             assert msg is None or msg.type is not MsgType.REPLY or msg.header["req"] != "q1"
@@ -288,7 +286,7 @@ def test_a_restarted_binder_takes_its_old_endpoints_from_its_bind_step(bus: Any)
     exchange = Exchange(client, spec, timeout_s=5)
     exchange.attach(device)
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while "m.qc-in" not in exchange.properties and time.monotonic() < deadline:
             records["m"].next_step_s = 0.0
             steps._rewalk(time.monotonic())  # BIND (again, until the subscription is through)

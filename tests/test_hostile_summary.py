@@ -77,3 +77,15 @@ def test_an_interrupted_run_with_a_checkpoint_calls_its_unwritten_events_resumab
     counters = parent._summary(1.0).counters
     assert counters["events not written (interrupted)"] == 200
     assert "events lost" not in counters
+
+
+def test_a_run_stopped_at_once_counts_what_the_output_wrote_not_the_confirms_in_flight() -> None:
+    # the second Ctrl-C stops the input before the CONFIRMs of the last events the output
+    # wrote come back: the ledger's 280 overstated what --resume completes (200)
+    parent = _parent({"input": _input(900, 620), "output": {"written": 700}})
+    parent.signals = [2, 2]
+    parent.role_options = {"checkpoint": "out.evr.ckpt"}
+    counters = parent._summary(1.0).counters
+    assert counters["events not written (--resume completes them)"] == 200
+    parent.signals = []  # a run that was not stopped: the ledger's figure stands
+    assert parent._summary(1.0).counters["events lost"] == 280

@@ -48,18 +48,19 @@ class RunSummaryMixin:
     refused: int
     signals: list[int]
 
-    def _unwritten(self, inp: dict[str, Any]) -> int:
+    def _unwritten(self, inp: dict[str, Any]) -> int | None:
         """Events the input sent that the output never accounted for (its own count).
 
         The ledger's figure trusts CONFIRMs; this one checks it against what the
-        output reports written, dropped or quarantined. Exact only for one input and one
-        output over the whole run (restarts and resumes split the counts): else 0.
+        output reports written, dropped or quarantined (every event read, if the
+        output never reported). Only for one input and one output over the whole run
+        (restarts and resumes split the counts): else None.
         """
         out = self.results.get("output", ({}, []))[0]
         if self.input_restarts or self.output_restarts or self.role_options.get("start_position"):
-            return 0
+            return None
         if out.get("already_written"):
-            return 0
+            return None
         expected = int(inp.get("read", 0)) - int(inp.get("dropped", 0))
         fates = sum(int(out.get(k, 0)) for k in ("written", "dropped", "quarantined"))
         return max(0, expected - fates)
@@ -106,7 +107,13 @@ class RunSummaryMixin:
             counters["event failures"] = int(ledger["failures"])
             # every event read was dropped by the input path or confirmed by the output
             lost = int(inp.get("read", 0)) - int(inp.get("dropped", 0)) - int(ledger["confirmed"])
-            lost = max(lost, int(ledger["unconfirmed"]), self._unwritten(inp))
+            exact = self._unwritten(inp)
+            if exact is not None and self.signals and "output" in self.results:
+                # a run stopped at once: CONFIRMs of events the output wrote may still
+                # have been on their way, so the output's own count is the figure
+                lost = exact
+            else:
+                lost = max(lost, int(ledger["unconfirmed"]), exact or 0)
             counters[self._lost_label()] = lost
         if out_header.get("already_written"):
             counters["already in the output (resumed)"] = int(out_header["already_written"])

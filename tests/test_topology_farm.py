@@ -229,9 +229,11 @@ def test_detached_over_ssh_status_places_devices_and_plaintext_gets_nothing(
         got = plaintext_gets_nothing(farm.controller_address, bus_ports(session), session)
         assert got == []
         # ... and the refusal is logged once with its address (the controller's own log)
+        # (written by the proxy's monitor thread: on a loaded machine after the client left)
         log_path = Path(os.environ["EVFLOW_RUNTIME_DIR"], session, "controller.log")
-        log = log_path.read_text()
-        assert f"CURVE refused peer {farm.controller_address}:" in log, log[-3000:]
+        refusal = f"CURVE refused peer {farm.controller_address}:"
+        wait_until(lambda: refusal in log_path.read_text(), 60,
+                   f"{refusal!r} in the controller's log")  # fmt: skip
         # a device with a key not in the allow-list is refused by the sink, and the log
         # (the sink's, forwarded by its agent to the controller's) names its address
         stranger_key = make_keys(farm, tmp_path / "stranger") / "h1.key_secret"

@@ -246,7 +246,6 @@ class CurveSecurity:
 
     def _watch(self, monitor: zmq.Socket[Any]) -> None:
         failed: str | None = None
-        left = False
         try:
             from zmq.utils.monitor import recv_monitor_message  # asyncio: only with CURVE
 
@@ -262,20 +261,13 @@ class CurveSecurity:
                 elif kind in _FAILED_EVENTS:
                     if self.options.role == "client":
                         self.refused(endpoint.decode(errors="replace"), _FAILED_EVENTS[kind])
-                    elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-                        # no key was refused: the peer closed (or stalled) mid-handshake,
-                        # as one that exits or is killed under load at the wrong moment
-                        left = True
                     elif kind != zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # the ZAP logged it
                         failed = _FAILED_EVENTS[kind]
                 elif kind == zmq.EVENT_DISCONNECTED:
                     peer = self._peers.pop(value, "(address unknown)")
                     if failed is not None:
                         self.refused(peer, failed)
-                    elif left:
-                        log.info("channel %s: peer %s left during the CURVE handshake",
-                                 self.label, peer)  # fmt: skip
-                    failed, left = None, False
+                        failed = None
         except zmq.ZMQError:
             return
         finally:

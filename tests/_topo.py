@@ -1,4 +1,5 @@
-"""Helpers for the topology tests: read ``evflow up``'s stderr with deadlines."""
+"""Helpers for the topology tests: read ``evflow up``'s stderr with deadlines, wait for
+a controller to start."""
 
 from __future__ import annotations
 
@@ -6,6 +7,19 @@ import os
 import select
 import subprocess
 import time
+from pathlib import Path
+
+from _wait import wait_until
+
+
+def wait_for_controller(session: str, proc: subprocess.Popen[str]) -> None:
+    """Until ``evflow up`` (``proc``) has its controller running: the session's
+    ``topology.json`` exists (or the command ended). A moment counted from there, not
+    from the command's start, falls while the controller starts the devices even where
+    a loaded machine takes seconds to start the interpreter."""
+    started = Path(os.environ["EVFLOW_RUNTIME_DIR"], session, "topology.json")
+    wait_until(lambda: started.exists() or proc.poll() is not None, 60,
+               f"the controller of session {session!r}")  # fmt: skip
 
 
 class Lines:

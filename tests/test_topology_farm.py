@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import zmq
 
+from _topo import wait_for_controller
 from _wait import wait_until
 from evflow.runtime.busclient import BusEndpoints
 from evflow.runtime.buscontrol import BusController
@@ -363,22 +364,15 @@ def test_ctrl_c_during_ssh_start_up_leaves_nothing_on_any_host(
     # from the command's start: imports, ssh to each host, agents, spawn, FairMQ's steps
     # (RUNNING comes after about 3-5 s here)
     moments = sorted(rng.uniform(0.3, 4.5) for _ in range(10))
-    runtime = Path(os.environ["EVFLOW_RUNTIME_DIR"])
     codes = []
     for i, delay in enumerate(moments):
         proc = start_up(
             farm, str(THREE), "--hosts", str(hosts), "--launcher", "ssh", "--keys", str(keys),
             "--session", f"farmcc{i}", "--grace", "1",
         )  # fmt: skip
-        if i % 2:  # counted from the controller's start (its session file), not the
-            # command's: a loaded machine may take all of 4.5 s to start the interpreter,
-            # and these Ctrl-Cs come while the controller starts the hosts
-            started = runtime / f"farmcc{i}" / "topology.json"
-            wait_until(
-                lambda f=started, p=proc: f.exists() or p.poll() is not None,
-                60,
-                f"the controller of run {i}",
-            )
+        if i % 2:  # counted from the controller's start: these Ctrl-Cs come while it
+            # starts the hosts (a loaded machine may take all of 4.5 s to get there)
+            wait_for_controller(f"farmcc{i}", proc)
             delay /= 2
         time.sleep(delay)  # the moment of the Ctrl-C: what this test varies
         proc.send_signal(signal.SIGINT)

@@ -22,8 +22,7 @@ from typing import Any
 import psutil
 import pytest
 
-from _topo import Lines
-from _wait import wait_until
+from _topo import Lines, wait_for_controller
 from evflow.qc.repository import Repository
 from evflow.topology.hosts import load_hosts
 from evflow.topology.resolve import resolve
@@ -290,15 +289,9 @@ def test_ctrl_c_during_start_up_leaves_nothing_behind(tmp_path: Path) -> None:
     codes = []
     for i, delay in enumerate(moments):
         proc = start_up(str(topo), "--hosts", str(hosts), "--session", f"cc{i}")
-        if i % 2:  # counted from the controller's start (its session file), not the
-            # command's: a loaded machine may take all of 2.2 s to start the interpreter,
-            # and these Ctrl-Cs come while the controller starts the devices
-            started = runtime / f"cc{i}" / "topology.json"
-            wait_until(
-                lambda f=started, p=proc: f.exists() or p.poll() is not None,
-                60,
-                f"the controller of run {i}",
-            )
+        if i % 2:  # counted from the controller's start: these Ctrl-Cs come while it
+            # starts the devices (a loaded machine may take all of 2.2 s to get there)
+            wait_for_controller(f"cc{i}", proc)
             delay /= 2
         time.sleep(delay)  # the moment of the Ctrl-C: what this test varies
         proc.send_signal(signal.SIGINT)

@@ -4,6 +4,7 @@ wrong or missing key is refused and the refusal logged once with the peer's addr
 from __future__ import annotations
 
 import logging
+import socket
 import stat
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 import zmq
 
+from _wait import wait_until
 from evflow.errors import ConfigurationError
 from evflow.transport import curve
 from evflow.transport.channel import (
@@ -147,6 +149,36 @@ def test_plaintext_client_gets_nothing_and_is_logged(
         assert "127.0.0.1:" in records[0] or "address unknown" in records[0]
     finally:
         plain.close()
+        server.close()
+
+
+def test_a_peer_leaving_mid_handshake_once_is_no_refusal_and_twice_is_one(
+    ctx: zmq.Context[Any], keys: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A good peer that ends while it connects (a process leaving with the run) cut the
+    handshake once and was logged as refused on a good farm run; a peer that keeps
+    hanging up in the handshake (a plaintext client seeing the mismatch first) is one."""
+    caplog.set_level(logging.INFO, "evflow.curve")
+    server = _server(ctx, keys)
+    assert server.security is not None
+    host, port = server.endpoints[0].removeprefix("tcp://").rsplit(":", 1)
+
+    def connect_and_leave() -> None:
+        with socket.create_connection((host, int(port))) as raw:
+            raw.sendall(b"\xff" + bytes(8) + b"\x7f")  # the start of a ZMTP greeting
+
+    def lines(word: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records if word in r.getMessage()]
+
+    try:
+        connect_and_leave()
+        wait_until(lambda: lines("left during the CURVE handshake"), 30, "the INFO line")
+        assert server.security.refusals == 0 and lines("refused") == []
+        connect_and_leave()
+        _wait_refusals(server, 1)
+        refused = lines("refused")
+        assert len(refused) == 1 and "handshake failed" in refused[0], refused
+    finally:
         server.close()
 
 

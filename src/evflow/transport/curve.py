@@ -14,6 +14,13 @@ address: the ZAP handler names a client whose key is not allowed (address and ke
 the socket monitor (``EVENT_HANDSHAKE_FAILED_*``) names a peer that failed the
 handshake otherwise (a plaintext client, a client with the wrong server key). Nothing
 is a silent time-out. Refusals are counted in :attr:`CurveSecurity.refusals`.
+
+A handshake cut short without a reason (``EVENT_HANDSHAKE_FAILED_NO_DETAIL``: the peer
+closed or reset the connection) is ambiguous: a good peer leaving while it connects
+(a process ending with a run) does it once, a plaintext peer that hangs up first on the
+mechanism mismatch does it on every retry (every 0.1 s by default). So it is a refusal
+the second time it comes from one host within ``CUT_SHORT_WINDOW_S``; the first time, an
+INFO line. (The monitor cannot tell which peer a successful handshake was from.)
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import os
 import socket as pysocket
 import stat
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,6 +177,9 @@ CONNECTION_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )  # fmt: skip
 
+#: a second handshake cut short from one host within this many seconds is a refusal
+CUT_SHORT_WINDOW_S = 30.0
+
 _FAILED_EVENTS: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed (protocol: plaintext peer or "
@@ -193,6 +204,8 @@ class CurveSecurity:
         self._monitor: threading.Thread | None = None
         self._socket: zmq.Socket[Any] | None = None
         self._peers: dict[int, str] = {}
+        #: when a handshake from each host was last cut short without a reason
+        self._cut_short: dict[str, float] = {}
         #: callbacks given every monitor event (kind, value, endpoint), from the watcher
         #: thread: libzmq keeps one monitor per socket, and a second one started on it
         #: closes this one under the watcher's feet (abort in signaler.cpp)
@@ -245,7 +258,7 @@ class CurveSecurity:
         log.warning("channel %s: CURVE refused peer %s: %s", self.label, peer, reason)
 
     def _watch(self, monitor: zmq.Socket[Any]) -> None:
-        failed: str | None = None
+        failed: int | None = None
         try:
             from zmq.utils.monitor import recv_monitor_message  # asyncio: only with CURVE
 
@@ -254,24 +267,40 @@ class CurveSecurity:
                 kind, value, endpoint = event["event"], event["value"], event["endpoint"]
                 if kind == zmq.EVENT_MONITOR_STOPPED:
                     return
+                if kind == zmq.EVENT_ACCEPTED:  # first: libzmq may close the fd soon
+                    self._peers[value] = _peer_of(value)
                 for listener in list(self._listeners):
                     listener(kind, value, endpoint.decode(errors="replace"))
-                if kind == zmq.EVENT_ACCEPTED:
-                    self._peers[value] = _peer_of(value)
-                elif kind in _FAILED_EVENTS:
+                if kind in _FAILED_EVENTS:
                     if self.options.role == "client":
-                        self.refused(endpoint.decode(errors="replace"), _FAILED_EVENTS[kind])
+                        self._failed(endpoint.decode(errors="replace"), kind)
                     elif kind != zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # the ZAP logged it
-                        failed = _FAILED_EVENTS[kind]
+                        failed = kind
                 elif kind == zmq.EVENT_DISCONNECTED:
                     peer = self._peers.pop(value, "(address unknown)")
                     if failed is not None:
-                        self.refused(peer, failed)
+                        self._failed(peer, failed)
                         failed = None
         except zmq.ZMQError:
             return
         finally:
             monitor.close(linger=0)
+
+    def _failed(self, peer: str, kind: int) -> None:
+        """A failed handshake: a refusal, unless it is the first one cut short from
+        this host (a good peer leaving while it connects; see the module docstring)."""
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            host, now = _host_of(peer), time.monotonic()
+            last = self._cut_short.get(host)
+            if len(self._cut_short) >= 4096:  # a flood of addresses: forget the old ones
+                self._cut_short.clear()
+            self._cut_short[host] = now
+            if last is not None and now - last <= CUT_SHORT_WINDOW_S:
+                self.refused(peer, _FAILED_EVENTS[kind])
+                return
+            log.info("channel %s: peer %s left during the CURVE handshake", self.label, peer)
+            return
+        self.refused(peer, _FAILED_EVENTS[kind])
 
     def close(self) -> None:
         """Stop the monitor and leave the ZAP handler (call before closing the socket)."""
@@ -286,6 +315,12 @@ class CurveSecurity:
             self._zap.remove(self._domain)
             self._zap.close()
             self._zap = None
+
+
+def _host_of(peer: str) -> str:
+    """The host part of ``ip:port`` (or of ``tcp://ip:port``); other text as it is."""
+    host, sep, port = peer.removeprefix("tcp://").rpartition(":")
+    return host if sep and port.isdigit() else peer
 
 
 def _peer_of(fd: int) -> str:

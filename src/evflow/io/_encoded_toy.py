@@ -15,16 +15,35 @@ from __future__ import annotations
 import struct
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, overload
+from typing import Any, Protocol, overload
 
 import msgpack
 import numpy as np
 
+from evflow.io.cpuwork import burn_cpu
 from evflow.wire._arrays import dtype_str
 from evflow.wire.codec import CODEC_VERSION, INLINE_MAX_BYTES, encode_event
 
-if TYPE_CHECKING:
-    from evflow.io.generators import ToyGenerator
+
+class ToyLike(Protocol):
+    """What the encoder reads of a ``evflow.io.generators.ToyGenerator`` (a Protocol,
+    so that this module does not import the generator that imports it)."""
+
+    _block: np.ndarray[Any, Any]
+    _salt: int
+
+    @property
+    def n_events(self) -> int: ...
+    @property
+    def payload_bytes(self) -> int: ...
+    @property
+    def work_ms(self) -> float: ...
+    @property
+    def experiment(self) -> int: ...
+    @property
+    def run(self) -> int: ...
+    def make_event(self, position: int) -> Any: ...
+
 
 EncodedEvent = tuple[int, int, int, list[Any]]
 EncodedBatch = tuple[list[int], int, int, Sequence[list[Any]]]
@@ -52,7 +71,7 @@ def _bin_header(n: int) -> bytes:
 class ToyEncoder:
     """Pre-packed header pieces of one ``ToyGenerator``'s events."""
 
-    def __init__(self, gen: ToyGenerator, window: int) -> None:
+    def __init__(self, gen: ToyLike, window: int) -> None:
         self.experiment = int(gen.experiment)
         self.run = int(gen.run)
         self.pack_int = msgpack.Packer().pack
@@ -285,15 +304,13 @@ def _same(a: Sequence[Any], b: Sequence[Any]) -> bool:
 
 
 def encoded_toy_batches(
-    gen: ToyGenerator, start: int, window: int, burn: bool = True
+    gen: ToyLike, start: int, window: int, burn: bool = True
 ) -> Iterator[EncodedBatch]:
     """``(uids, experiment, run, frames)`` of up to ``CHUNK_EVENTS`` events at a time
     (``CHUNK_EVENTS_FREE`` when the source burns no CPU).
 
     ``burn=False`` leaves the source's ``work_ms`` to the caller.
     """
-    from evflow.io.generators import burn_cpu
-
     enc = ToyEncoder(gen, window)
     experiment, run, work_ms, n_events = gen.experiment, gen.run, gen.work_ms, gen.n_events
     if start >= n_events:
@@ -320,10 +337,8 @@ def encoded_toy_batches(
         position = stop
 
 
-def encoded_toy_events(gen: ToyGenerator, start: int, window: int) -> Iterator[EncodedEvent]:
+def encoded_toy_events(gen: ToyLike, start: int, window: int) -> Iterator[EncodedEvent]:
     """``(uid, experiment, run, frames)`` of the events from ``start`` on."""
-    from evflow.io.generators import burn_cpu
-
     work_ms = gen.work_ms
     for uids, experiment, run, frames in encoded_toy_batches(gen, start, window, burn=False):
         for uid, event_frames in zip(uids, frames, strict=True):
@@ -332,6 +347,6 @@ def encoded_toy_events(gen: ToyGenerator, start: int, window: int) -> Iterator[E
             yield (uid, experiment, run, event_frames)
 
 
-def _slow_frames(gen: ToyGenerator) -> Any:
+def _slow_frames(gen: ToyLike) -> Any:
     make = gen.make_event
     return lambda position: encode_event(make(position))

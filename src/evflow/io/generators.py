@@ -7,13 +7,13 @@ belongs in a parallel module, not in the source).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from evflow.errors import ParameterError
+from evflow.io.cpuwork import burn_cpu
 from evflow.processing.datastore import DataStore, EventMeta
 from evflow.processing.module import Module, Param, Source
 
@@ -22,21 +22,6 @@ from evflow.processing.module import Module, Param, Source
 _WINDOW = 4096
 _GOLDEN = 0x9E3779B97F4A7C15  # 64-bit golden-ratio constant for a cheap integer hash
 _MASK64 = (1 << 64) - 1
-
-
-def burn_cpu(work_ms: float) -> None:
-    """Busy-loop until this thread has used ``work_ms`` milliseconds of CPU time.
-
-    CPU time, not wall time: on an oversubscribed machine a wall-clock loop would
-    finish early in CPU terms and make parallel speedups look better than they are.
-    """
-    if work_ms <= 0:
-        return
-    deadline_ns = time.thread_time_ns() + int(work_ms * 1e6)
-    x = 0
-    while time.thread_time_ns() < deadline_ns:
-        for i in range(200):  # real arithmetic between clock reads
-            x = (x * 31 + i) & 0xFFFF
 
 
 class ToyGenerator(Source):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import zmq
 
@@ -31,9 +31,6 @@ from evflow.errors import IncompleteStreamError
 from evflow.runtime.framing import decoder, looks_raw, raw_hint
 from evflow.transport.channel import Channel
 from evflow.wire.messages import BadMessageCounter, Message, MsgType, encode_message
-
-if TYPE_CHECKING:
-    from evflow.runtime.device import Device
 
 #: how long the loops block before looking at flags and timers (ms)
 POLL_INTERVAL_MS = 100
@@ -54,6 +51,23 @@ class Origin:
 
 
 Handler = Callable[[Message, Origin], "bool | None"]
+
+
+class Device(Protocol):
+    """What the loops use of a :class:`~evflow.runtime.device.Device` (a Protocol, so
+    that this module does not import the device module that imports it)."""
+
+    _handlers: dict[str, Handler]
+    _views: set[str]
+    _loop_stop: bool
+    iterations: int
+    max_iterations: int
+    rate_hz: float
+    bad_messages: dict[str, BadMessageCounter]
+
+    def channel_list(self, name: str) -> list[Channel]: ...
+    def conditional_run(self) -> bool: ...
+    def _tick(self, now_s: float | None = None) -> None: ...
 
 
 def conditional_loop(dev: Device) -> None:

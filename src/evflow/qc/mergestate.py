@@ -36,17 +36,17 @@ import msgpack
 from evflow.errors import CodecError, IncompatibleObjectsError, NotMergeableError
 from evflow.processing.parallel.deltas import DeltaMerger
 from evflow.processing.parallel.histlimits import current_limits
-from evflow.qc.checkpoint import restore_state, state_to_bytes
 from evflow.qc.objects import (
     check_compatible,
     copy_object,
     decode_object,
     describe,
+    encode_object,
     merge,
     subtract,
 )
 from evflow.qc.publication import PublishedObject, qc_path
-from evflow.qc.sources import SourceState, check_header, completeness_record, split_payload
+from evflow.qc.sources import SourceState, check_header, split_payload
 from evflow.qc.stacked import PlanIndex, StackPlan, plan_frames
 
 #: merged sequence numbers kept above a source's contiguous ``upto`` (out-of-order re-sends)
@@ -398,7 +398,47 @@ class MergeState:
 
     # --- publishing ----------------------------------------------------------------------
     def completeness(self) -> dict[str, Any]:
-        return completeness_record(self)
+        """Which sources were seen this cycle, expected, missing, ended (and below a
+        merger of mergers, its producers'), with the fraction complete."""
+        ended = {s for s, st in self.sources.items() if st.ended}
+        known = set(self.sources)
+        if isinstance(self.expected, list):
+            expected: list[str] | int = sorted(self.expected)
+            n_expected = len(self.expected)
+            known |= set(self.expected)
+        else:
+            expected = self.expected
+            n_expected = self.expected
+        missing = known - self.seen_this_cycle - ended
+        record: dict[str, Any] = {
+            "seen": sorted(self.seen_this_cycle),
+            "expected": expected,
+            "missing": sorted(missing),
+            "ended": sorted(ended),
+            "events_by_source": {s: st.events for s, st in self.sources.items() if st.events},
+        }
+        upstream = [st.upstream for st in self.sources.values() if st.upstream]
+        if upstream:  # a merger of mergers: the producers' record, merged
+            record["mergers"] = {k: record[k] for k in ("seen", "expected", "missing", "ended")}
+            for key in ("seen", "missing", "ended"):
+                record[key] = sorted({s for up in upstream for s in up.get(key, [])})
+            record["missing"] = sorted(set(record["missing"]) | missing)
+            exp: list[Any] = [up.get("expected") for up in upstream]
+            if all(isinstance(e, list) for e in exp):
+                expected = sorted({s for e in exp for s in e})
+                n_expected = len(expected)
+            else:
+                n_expected = sum(e if isinstance(e, int) else len(e) for e in exp)
+                expected = n_expected
+            record["expected"] = expected
+            record["events_by_source"] = {
+                s: n for up in upstream for s, n in up.get("events_by_source", {}).items()
+            }
+        n_missing = len(record["missing"])
+        everyone = set(record["seen"]) | set(record["missing"]) | set(record["ended"])
+        total = max(n_expected, len(everyone))
+        record["fraction"] = 1.0 if total == 0 else round((total - n_missing) / total, 4)
+        return record
 
     def publish(self, final: bool = False, now: float | None = None) -> list[PublishedObject]:
         """Close a merger cycle: the objects to publish (copies: safe to keep)."""
@@ -517,11 +557,80 @@ class MergeState:
     # --- checkpoint ----------------------------------------------------------------------
     def to_bytes(self) -> bytes:
         """Everything a restarted merger needs to go on exactly where this one published."""
-        return state_to_bytes(self)
+
+        def enc(objs: dict[str, Any]) -> dict[str, bytes]:
+            return {n: encode_object(o) for n, o in objs.items()}
+
+        def enc_latest(latest: Latest) -> dict[str, list[Any]]:
+            return {s: [n, enc(objs)] for s, (n, objs) in latest.items()}
+
+        tasks = {}
+        for name, st in self.tasks.items():
+            st.flush()
+            tasks[name] = {
+                "integral": enc(st.integral.merged),
+                "events": st.integral_events,
+                "window": [[enc(objs), n] for objs, n in st.window],
+                "latest": enc_latest(st.latest),
+                "latest_seq": st.latest_seq,
+                "snapshots": [enc_latest(snap) for snap in st.snapshots],
+                "reset_base": enc_latest(st.reset_base),
+            }
+        sources = {
+            s: [
+                st.task,
+                st.upto,
+                sorted(st.extra),
+                st.events,
+                st.last_cycle,
+                st.published_cycle,
+                st.ended,
+                st.upstream,
+            ]
+            for s, st in self.sources.items()
+        }
+        return msgpack.packb(
+            {
+                "v": STATE_VERSION,
+                "id": self.merger_id,
+                "run": self.run,
+                "cycle": self.cycle,
+                "sequence": self.sequence,
+                "resets": self.resets,
+                "tasks": tasks,
+                "sources": sources,
+                "counters": self.counters,
+                "dropped": self.dropped,
+            }
+        )
 
     def restore(self, data: bytes) -> None:
         """Load a checkpoint of ``to_bytes`` (CodecError if it is not one)."""
-        restore_state(self, data)
+        try:
+            d = msgpack.unpackb(data, strict_map_key=False)
+            if d.get("v") != STATE_VERSION:
+                raise CodecError(f"merger checkpoint of version {d.get('v')!r}")
+            self.run, self.cycle, self.sequence = d["run"], d["cycle"], d["sequence"]
+            self.resets = d["resets"]
+            self.counters.update(d["counters"])
+            self.dropped.update(d["dropped"])
+            for name, t in d["tasks"].items():
+                st = self._task(name)
+                st.integral.merged.update({n: decode_object(b) for n, b in t["integral"].items()})
+                st.integral_events = t["events"]
+                for objs, n in t["window"]:
+                    st.window.append(({k: decode_object(b) for k, b in objs.items()}, n))
+                st.latest = dec_latest(t["latest"])
+                # (checkpoints written before the window held across layers lack these)
+                st.snapshots.extend(dec_latest(snap) for snap in t.get("snapshots", []))
+                st.reset_base = dec_latest(t.get("reset_base", {}))
+                st.latest_seq = dict(t["latest_seq"])
+            for s, (task, upto, extra, events, last, pub, ended, up) in d["sources"].items():
+                self.sources[s] = SourceState(task, upto, set(extra), events, last, pub, ended, up)
+        except CodecError:
+            raise
+        except Exception as exc:
+            raise CodecError(f"not a merger checkpoint: {type(exc).__name__}: {exc}") from None
 
     def describe_objects(self) -> dict[str, str]:
         return {
@@ -529,3 +638,14 @@ class MergeState:
             for t, st in self.tasks.items()
             for n, o in st.integral.merged.items()
         }
+
+
+#: the version of a merger checkpoint (``MergeState.to_bytes``)
+STATE_VERSION = 1
+
+
+def dec_latest(data: dict[str, Any]) -> Latest:
+    return {
+        s: (int(n), {str(k): decode_object(b) for k, b in objs.items()})
+        for s, (n, objs) in data.items()
+    }

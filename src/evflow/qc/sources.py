@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from evflow.errors import CodecError
 from evflow.processing.parallel.histlimits import current_limits
-
-if TYPE_CHECKING:
-    from evflow.qc.mergestate import MergeState
 
 MAX_ID_LEN = 200
 
@@ -36,48 +33,6 @@ class SourceState:
 
     def ack(self) -> dict[str, Any]:
         return {"upto": self.upto, "seqs": sorted(self.extra), "ended": self.ended}
-
-
-def completeness_record(self: MergeState) -> dict[str, Any]:
-    ended = {s for s, st in self.sources.items() if st.ended}
-    known = set(self.sources)
-    if isinstance(self.expected, list):
-        expected: list[str] | int = sorted(self.expected)
-        n_expected = len(self.expected)
-        known |= set(self.expected)
-    else:
-        expected = self.expected
-        n_expected = self.expected
-    missing = known - self.seen_this_cycle - ended
-    record: dict[str, Any] = {
-        "seen": sorted(self.seen_this_cycle),
-        "expected": expected,
-        "missing": sorted(missing),
-        "ended": sorted(ended),
-        "events_by_source": {s: st.events for s, st in self.sources.items() if st.events},
-    }
-    upstream = [st.upstream for st in self.sources.values() if st.upstream]
-    if upstream:  # a merger of mergers: the producers' record, merged
-        record["mergers"] = {k: record[k] for k in ("seen", "expected", "missing", "ended")}
-        for key in ("seen", "missing", "ended"):
-            record[key] = sorted({s for up in upstream for s in up.get(key, [])})
-        record["missing"] = sorted(set(record["missing"]) | missing)
-        exp: list[Any] = [up.get("expected") for up in upstream]
-        if all(isinstance(e, list) for e in exp):
-            expected = sorted({s for e in exp for s in e})
-            n_expected = len(expected)
-        else:
-            n_expected = sum(e if isinstance(e, int) else len(e) for e in exp)
-            expected = n_expected
-        record["expected"] = expected
-        record["events_by_source"] = {
-            s: n for up in upstream for s, n in up.get("events_by_source", {}).items()
-        }
-    n_missing = len(record["missing"])
-    everyone = set(record["seen"]) | set(record["missing"]) | set(record["ended"])
-    total = max(n_expected, len(everyone))
-    record["fraction"] = 1.0 if total == 0 else round((total - n_missing) / total, 4)
-    return record
 
 
 def split_payload(header: dict[Any, Any], payload: list[Any]) -> list[Any]:

@@ -431,7 +431,8 @@ def _shm_child(role: str, mode: str, size: int, n: int, address: str, out: str) 
     ``recv(views=True)`` read in place), ``shm-batch`` (the same, ``send_many`` of
     ``shm_batch(size)`` messages per ZeroMQ message and ``recv_many``).
     """
-    from evflow.transport.channel import open_channel, parse_channel_config
+    from evflow.transport.channel import parse_channel_config
+    from evflow.transport.opening import open_channel
     from evflow.wire.messages import MsgType, decode_message, encode_message
 
     ctx: zmq.Context[Any] = zmq.Context()

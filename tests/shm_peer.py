@@ -30,7 +30,8 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from evflow.transport.channel import open_channel, parse_channel_config
+from evflow.transport.channel import parse_channel_config
+from evflow.transport.opening import open_channel
 from evflow.transport.shm_channel import RING_PREFIX, InMessage
 from evflow.wire.messages import MsgType, decode_message, encode_message
 

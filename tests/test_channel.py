@@ -14,9 +14,9 @@ from evflow.transport.channel import (
     ChannelConfig,
     channel_configs_from_args,
     load_channel_configs,
-    open_channel,
     parse_channel_config,
 )
+from evflow.transport.opening import open_channel
 
 
 @pytest.fixture

@@ -22,10 +22,10 @@ from evflow.transport import curve
 from evflow.transport.channel import (
     Channel,
     config_from_mapping,
-    open_channel,
     parse_channel_config,
 )
 from evflow.transport.curve import create_keys
+from evflow.transport.opening import open_channel
 
 
 @pytest.fixture
@@ -272,7 +272,8 @@ import sys, time
 from pathlib import Path
 import zmq
 from evflow.runtime.devices._stream import PeerWatch
-from evflow.transport.channel import open_channel, parse_channel_config
+from evflow.transport.channel import parse_channel_config
+from evflow.transport.opening import open_channel
 
 keys = Path(sys.argv[1])
 k = keys / "keys"

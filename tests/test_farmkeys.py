@@ -12,8 +12,9 @@ import pytest
 import zmq
 
 from evflow.errors import ConfigurationError
-from evflow.transport.channel import Channel, open_channel, parse_channel_config
+from evflow.transport.channel import Channel, parse_channel_config
 from evflow.transport.curve import create_keys
+from evflow.transport.opening import open_channel
 
 
 @pytest.fixture

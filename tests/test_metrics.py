@@ -10,7 +10,8 @@ import pytest
 import zmq
 
 from evflow.runtime.metrics import ProcessMetrics
-from evflow.transport.channel import ChannelConfig, open_channel
+from evflow.transport.channel import ChannelConfig
+from evflow.transport.opening import open_channel
 
 
 class Clock:

@@ -32,7 +32,8 @@ from evflow.qc.layers import build_layers, launch_layers
 from evflow.qc.objects import decode_object, encode_object
 from evflow.qc.repository import Repository
 from evflow.runtime.supervisor import Supervisor
-from evflow.transport.channel import open_channel, parse_channel_config
+from evflow.transport.channel import parse_channel_config
+from evflow.transport.opening import open_channel
 from evflow.transport.paths import session_dir
 from evflow.wire.messages import MsgType, encode_message
 

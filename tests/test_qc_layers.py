@@ -23,7 +23,8 @@ from evflow.qc.layers import build_layers, launch_layers, layer_layout
 from evflow.qc.publication import PublishedObject, decode_publication
 from evflow.qc.toy import ToyQc, toy_event
 from evflow.runtime.supervisor import Supervisor
-from evflow.transport.channel import open_channel, parse_channel_config
+from evflow.transport.channel import parse_channel_config
+from evflow.transport.opening import open_channel
 from evflow.wire.messages import BadMessageCounter, MsgType
 
 RUN = 42

@@ -17,7 +17,8 @@ from evflow.qc.layers import build_layers, launch_layers
 from evflow.qc.toy import ToyQc
 from evflow.runtime.bus import BusController
 from evflow.runtime.supervisor import Supervisor
-from evflow.transport.channel import open_channel, parse_channel_config
+from evflow.transport.channel import parse_channel_config
+from evflow.transport.opening import open_channel
 from evflow.wire.messages import MsgType, encode_message
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -18,7 +18,8 @@ from evflow.processing.datastore import DataStore
 from evflow.qc.merger import QcMerger
 from evflow.qc.producer_device import load_task_class
 from evflow.qc.publication import PublishedObject
-from evflow.transport.channel import open_channel, parse_channel_config
+from evflow.transport.channel import parse_channel_config
+from evflow.transport.opening import open_channel
 from evflow.wire.codec import encode_batch, encode_event
 from evflow.wire.messages import BadMessageCounter, MsgType, encode_message
 

@@ -26,7 +26,8 @@ import zmq
 
 from _proc import finish, read_stats, start_device, wait_for_stderr
 from evflow.runtime.framing import decoder, outgoing
-from evflow.transport.channel import open_channel, parse_channel_config
+from evflow.transport.channel import parse_channel_config
+from evflow.transport.opening import open_channel
 from evflow.wire.messages import BadMessageCounter, MsgType, encode_message
 
 DOC = Path(__file__).parents[1] / "docs" / "farm.md"

@@ -18,7 +18,8 @@ import zmq
 
 from evflow.errors import ConfigurationError
 from evflow.runtime.device import Device, Origin
-from evflow.transport.channel import open_channel, parse_channel_config
+from evflow.transport.channel import parse_channel_config
+from evflow.transport.opening import open_channel
 from evflow.transport.shm_channel import InMessage, ShmChannel
 from evflow.transport.shm_marker import INLINE, REGION, pack_marker
 from evflow.transport.shm_region import _W_CLAIMED, _W_GIVEN

@@ -17,7 +17,8 @@ import zmq
 from _wait import wait_until
 from evflow.errors import ConfigurationError
 from evflow.runtime.devices.sink import read_all
-from evflow.transport.channel import open_channel, parse_channel_config
+from evflow.transport.channel import parse_channel_config
+from evflow.transport.opening import open_channel
 from evflow.transport.shm_channel import RING_PREFIX, ShmChannel, sweep_stale_rings
 from evflow.transport.shm_marker import INLINE, REGION, pack_marker
 from evflow.wire.messages import MsgType, decode_message, encode_message

@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 import zmq
 
-from evflow.transport.channel import open_channel, parse_channel_config
+from evflow.transport.channel import parse_channel_config
+from evflow.transport.opening import open_channel
 from evflow.transport.shm_channel import RING_PREFIX, InMessage, ShmChannel
 from evflow.transport.shm_marker import INLINE, REGION, SOCKET, pack_marker
 from evflow.transport.shm_region import _C_STATE, DATA_OFF, SENT

@@ -50,7 +50,8 @@ import zmq
 from evflow.errors import PeerLostError, ProtocolError
 from evflow.hlt.eventbuilder import EventBuilder
 from evflow.hlt.fragments import FragmentBatch, decode_fragments, encode_fragments
-from evflow.transport.channel import Channel, open_channel, parse_channel_config
+from evflow.transport.channel import Channel, parse_channel_config
+from evflow.transport.opening import open_channel
 from evflow.wire.messages import (
     PROTOCOL_VERSION,
     BadMessageCounter,

@@ -45,7 +45,8 @@ from evflow.processing.module import Module
 from evflow.processing.parallel.deltas import DeltaEncoder
 from evflow.qc.objects import encode_object, is_mergeable
 from evflow.qc.recordbatch import RecordBatch
-from evflow.transport.channel import Channel, ChannelConfig, open_channel
+from evflow.transport.channel import Channel, ChannelConfig
+from evflow.transport.opening import open_channel
 from evflow.wire.messages import BadMessageCounter, MsgType, encode_message
 
 log = logging.getLogger("evflow.qc")

@@ -47,7 +47,8 @@ from evflow.runtime.busclient import (
 )
 from evflow.runtime.buscontrol import BusController
 from evflow.runtime.metrics import ProcessMetrics
-from evflow.transport.channel import Channel, ChannelConfig, open_channel
+from evflow.transport.channel import Channel, ChannelConfig
+from evflow.transport.opening import open_channel
 from evflow.wire.messages import BadMessageCounter, MsgType, encode_message
 
 __all__ = [

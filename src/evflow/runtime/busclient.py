@@ -28,7 +28,8 @@ import zmq
 
 from evflow.errors import ConfigurationError, EvflowError, ProtocolError
 from evflow.runtime.metrics import ProcessMetrics
-from evflow.transport.channel import Channel, ChannelConfig, open_channel
+from evflow.transport.channel import Channel, ChannelConfig
+from evflow.transport.opening import open_channel
 from evflow.transport.paths import runtime_base_dir
 from evflow.wire.messages import BadMessageCounter, MsgType, encode_message
 

@@ -57,7 +57,8 @@ from evflow.runtime.states import (
     StateMachine,
     Transition,
 )
-from evflow.transport.channel import Channel, ChannelConfig, open_channel
+from evflow.transport.channel import Channel, ChannelConfig
+from evflow.transport.opening import open_channel
 from evflow.wire.messages import BadMessageCounter, MsgType
 
 __all__ = ["BIDIRECTIONAL", "DRAIN_BATCH", "POLL_INTERVAL_MS", "Device", "Handler", "Origin"]

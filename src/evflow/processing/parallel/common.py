@@ -27,7 +27,8 @@ from evflow.processing.parallel.rolebus import RoleBus
 from evflow.processing.parallel.split import SplitPath
 from evflow.runtime.states import State
 from evflow.transport import security
-from evflow.transport.channel import Channel, ChannelConfig, open_channel
+from evflow.transport.channel import Channel, ChannelConfig
+from evflow.transport.opening import open_channel
 from evflow.wire.messages import MsgType, encode_message
 
 __all__ = ["EXIT_ERROR", "RoleBus", "channel", "current_split", "run_role"]

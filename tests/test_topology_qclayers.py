@@ -19,8 +19,8 @@ import pytest
 from evflow.errors import ConfigurationError
 from evflow.qc.repository import Repository
 from evflow.qc.toy import ToyQc, toy_event
+from evflow.topology.loader import load_topology, parse_topology
 from evflow.topology.resolve import ResolvedTopology, resolve
-from evflow.topology.spec import load_topology, parse_topology
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "topologies" / "qc_layers.toml"
 HOSTS = {f"h{i}": {"address": f"10.9.0.{i}"} for i in range(1, 6)}

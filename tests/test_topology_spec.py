@@ -11,9 +11,9 @@ import pytest
 
 from evflow.errors import ConfigurationError
 from evflow.topology.hosts import load_hosts
+from evflow.topology.loader import load_topology, parse_topology
 from evflow.topology.node import Exchange
 from evflow.topology.resolve import resolve
-from evflow.topology.spec import load_topology, parse_topology
 from evflow.transport.channel_config import SOCKET_OPTIONS
 
 EXAMPLES = Path(__file__).parent.parent / "examples" / "topologies"

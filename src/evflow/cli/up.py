@@ -88,8 +88,8 @@ def session_name(name: str) -> str:
 
 def _load(args: argparse.Namespace) -> Any:
     from evflow.topology.hosts import load_hosts
+    from evflow.topology.loader import load_topology
     from evflow.topology.resolve import resolve
-    from evflow.topology.spec import load_topology
 
     hosts = load_hosts(args.hosts) if args.hosts else None
     return resolve(load_topology(args.topology, hosts))

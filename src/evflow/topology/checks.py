@@ -2,7 +2,7 @@
 cycle of connects, device classes and their parameters exist (and, for a topology
 that runs on this host only, what a class checks with ``check_params``, e.g. input files).
 
-Called by :func:`evflow.topology.spec.parse_topology`; each failure is one
+Called by :func:`evflow.topology.loader.parse_topology`; each failure is one
 ConfigurationError naming the file, the device, the channel and the fix.
 """
 

@@ -35,13 +35,10 @@ Every mistake is one ConfigurationError that names the file, the device and the 
 from __future__ import annotations
 
 import re
-import tomllib
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from evflow.errors import ConfigurationError
-from evflow.topology import checks
 from evflow.topology.hosts import HostSpec, parse_hosts
 from evflow.transport.channel_config import SOCKET_OPTIONS, SOCKET_TYPES, config_from_mapping
 
@@ -51,8 +48,7 @@ __all__ = [
     "CollectionSpec",
     "DeviceSpec",
     "TopologySpec",
-    "load_topology",
-    "parse_topology",
+    "build_spec",
 ]
 
 #: ``hosts = "every"``: one instance per host
@@ -148,35 +144,15 @@ class TopologySpec:
     hosts: dict[str, HostSpec] = field(default_factory=dict)
 
 
-def load_topology(
-    path: str | Path, hosts: dict[str, HostSpec] | None = None, *, check_classes: bool = True
-) -> TopologySpec:
-    """Read and check a topology file; ``hosts`` (from ``--hosts``) add to its [hosts]."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ConfigurationError(f"topology file {str(path)!r} does not exist") from None
-    except OSError as exc:
-        raise ConfigurationError(f"cannot read topology file {str(path)!r}: {exc}") from None
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigurationError(f"{path}: not valid TOML: {exc}") from None
-    return parse_topology(
-        data, source=str(path), default_name=path.stem, hosts=hosts, check_classes=check_classes
-    )
-
-
-def parse_topology(
+def build_spec(
     data: dict[str, Any],
     *,
     source: str,
     default_name: str = "topology",
     hosts: dict[str, HostSpec] | None = None,
-    check_classes: bool = True,
 ) -> TopologySpec:
-    """Check decoded TOML (see the module docstring); errors name ``source``."""
+    """The tables of decoded TOML as dataclasses, each entry checked on its own; the
+    QC layers and the checks across entries are the loader's (``topology/loader.py``)."""
     _unknown(data, _TOP_KEYS, source, "the top level")
     name = str(data.get("name", default_name))
     all_hosts = dict(parse_hosts(data["hosts"], source=source)) if "hosts" in data else {}
@@ -208,16 +184,7 @@ def parse_topology(
         dname: _device(dname, entry, source, member_of.get(dname))
         for dname, entry in raw_devices.items()
     }
-    if "qc" in data:  # QC merger layers: more devices, producers wired to them
-        from evflow.topology.qclayers import expand_qc
-
-        devices = expand_qc(data["qc"], devices, collections, all_hosts, source)
-    spec = TopologySpec(name, source, devices, collections, all_hosts)
-    checks.check_hosts(spec)
-    checks.check_channels(spec)
-    if check_classes:
-        checks.check_classes(spec)
-    return spec
+    return TopologySpec(name, source, devices, collections, all_hosts)
 
 
 # --- pieces -------------------------------------------------------------------------------

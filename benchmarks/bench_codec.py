@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from evflow.processing.datastore import DataStore, EventMeta
+from evflow.event import DataStore, EventMeta
 from evflow.wire.codec import (
     decode_batch,
     decode_event,

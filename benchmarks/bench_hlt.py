@@ -61,11 +61,11 @@ from typing import Any
 import numpy as np
 import zmq
 
+from evflow.event import DataStore
 from evflow.hlt.eventbuilder import BuilderConfig, EventBuilder
 from evflow.hlt.fragments import FragmentBatch
 from evflow.hlt.links import FragmentReceiver
 from evflow.io.generators import BusyWork, burn_cpu
-from evflow.processing.datastore import DataStore
 
 GROUPS = [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
 

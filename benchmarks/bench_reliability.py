@@ -31,9 +31,9 @@ import psutil
 
 import evflow
 from evflow import DataStore, Module, Path
+from evflow.event import FLAG_QUARANTINED
 from evflow.io.generators import BusyWork, ToyGenerator
 from evflow.io.records import RecordOutput, RecordReader, decode_record
-from evflow.processing.datastore import FLAG_QUARANTINED
 from evflow.processing.faults import FaultInjector
 from evflow.processing.parallel import input as input_role
 from evflow.processing.parallel.ledger import Ledger

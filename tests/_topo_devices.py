@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from evflow.processing.datastore import DataStore
+from evflow.event import DataStore
 from evflow.qc.producer import QcTask
 from evflow.runtime.device import Device
 from evflow.runtime.devices.sampler import Sampler

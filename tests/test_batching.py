@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from evflow.processing.datastore import DataStore, EventMeta
+from evflow.event import DataStore, EventMeta
 from evflow.processing.parallel.batching import (
     LOSS_MEMORY,
     LOSS_SHARE,

@@ -26,9 +26,9 @@ import evflow
 from _kill import HoldUntil, kill_role_when
 from _wait import size_of, wait_until
 from evflow import DataStore, Module, Param, Path
+from evflow.event import FLAG_QUARANTINED, QUARANTINE_REASON
 from evflow.io.generators import BusyWork, ToyGenerator
 from evflow.io.records import RecordOutput, RecordReader, decode_record
-from evflow.processing.datastore import FLAG_QUARANTINED, QUARANTINE_REASON
 from evflow.processing.faults import FaultInjector, roll
 from evflow.processing.parallel.checkpoint import CheckpointFile
 

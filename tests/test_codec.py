@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from evflow.errors import CodecError, ConfigurationError
-from evflow.processing.datastore import DataStore, EventMeta
+from evflow.event import DataStore, EventMeta
 from evflow.wire import codec
 from evflow.wire.codec import (
     INLINE_MAX_BYTES,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from evflow.errors import CodecError
-from evflow.processing.datastore import DataStore, EventMeta
+from evflow.event import DataStore, EventMeta
 from evflow.processing.parallel.lazystore import LazyEvent
 from evflow.wire._check import quick_meta
 from evflow.wire.codec import decode_event, encode_event

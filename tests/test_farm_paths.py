@@ -335,7 +335,7 @@ def test_chaos_20000_events_over_three_hosts_every_uid_exactly_once(farm, tmp_pa
             flags.setdefault(meta.uid, []).append(meta.flags)
     assert sorted(flags) == list(range(20_000))
     assert all(len(f) == 1 for f in flags.values()), "a uid written twice"
-    from evflow.processing.datastore import FLAG_QUARANTINED
+    from evflow.event import FLAG_QUARANTINED
 
     quarantined = {u for u, f in flags.items() if f[0] & FLAG_QUARANTINED}
     assert quarantined == {1234, 9999, 19998}

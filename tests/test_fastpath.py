@@ -12,6 +12,7 @@ import pytest
 import evflow
 from evflow import DataStore, Module, Path
 from evflow.errors import CodecError, ParameterError
+from evflow.event import FLAG_QUARANTINED, EventMeta, RunMeta
 from evflow.io import (
     BusyWork,
     RecordInput,
@@ -23,7 +24,6 @@ from evflow.io import (
 )
 from evflow.io.records import decode_record
 from evflow.processing.chain import ModuleChain
-from evflow.processing.datastore import FLAG_QUARANTINED, EventMeta, RunMeta
 from evflow.processing.module import Param, Source
 from evflow.processing.parallel.batching import BatchSizer
 from evflow.processing.parallel.fastpath import (

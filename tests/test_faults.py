@@ -11,8 +11,8 @@ import psutil
 import pytest
 
 from evflow.errors import ParameterError
+from evflow.event import DataStore, EventMeta
 from evflow.processing import faults
-from evflow.processing.datastore import DataStore, EventMeta
 from evflow.processing.faults import FaultInjector, InjectedFault, roll
 
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from evflow.errors import ParameterError
+from evflow.event import DataStore
 from evflow.io.generators import BusyWork, ToyGenerator, burn_cpu
-from evflow.processing.datastore import DataStore
 
 
 def _key(store: DataStore) -> tuple[object, ...]:

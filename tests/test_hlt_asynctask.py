@@ -12,11 +12,11 @@ import pytest
 
 import evflow
 from evflow.errors import ConfigurationError
+from evflow.event import DataStore
 from evflow.hlt.asyncmodule import AsyncTaskModule
 from evflow.hlt.asynctask import AsyncTask
 from evflow.io import RecordOutput, RecordReader, ToyGenerator
 from evflow.io.records import decode_record
-from evflow.processing.datastore import DataStore
 
 
 def mean_task(arrays: dict[str, np.ndarray]) -> dict[str, Any]:

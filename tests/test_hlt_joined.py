@@ -9,12 +9,12 @@ from typing import Any
 
 import numpy as np
 
+from evflow.event import DataStore, EventMeta
 from evflow.hlt.built import joined_from_batch, stores_from_batch
 from evflow.hlt.eventbuilder import BuilderConfig, EventBuilder
 from evflow.hlt.fragments import FragmentBatch
 from evflow.hlt.replay import encoded, join_fragments, split_event
 from evflow.io import ToyGenerator
-from evflow.processing.datastore import DataStore, EventMeta
 from evflow.wire._header import packb
 from evflow.wire._raw import pack_frames
 from evflow.wire.codec import decode_event, encode_event

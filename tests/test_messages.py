@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from evflow.errors import CodecError, ProtocolError
-from evflow.processing.datastore import DataStore, EventMeta
+from evflow.event import DataStore, EventMeta
 from evflow.wire.codec import decode_batch, encode_batch, encode_event
 from evflow.wire.messages import (
     PROTOCOL_VERSION,

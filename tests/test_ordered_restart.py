@@ -22,9 +22,9 @@ from _kill import HoldUntil, kill_role_when
 from _wait import size_of, wait_until
 from evflow import DataStore, Module, Path
 from evflow.errors import InternalError
+from evflow.event import FLAG_QUARANTINED
 from evflow.io.generators import BusyWork, ToyGenerator
 from evflow.io.records import RecordOutput, RecordReader, decode_record
-from evflow.processing.datastore import FLAG_QUARANTINED
 from evflow.processing.faults import FaultInjector
 from evflow.processing.parallel.checkpoint import Checkpoint, CheckpointFile
 from evflow.processing.parallel.reorder import SKIP, ReorderBuffer

@@ -43,11 +43,11 @@ def test_public_names_are_exported() -> None:
 
 def test_public_names_are_the_defining_objects() -> None:
     from evflow.errors import EvflowError
+    from evflow.event import DataStore, EventMeta, RunMeta
     from evflow.io.generators import ToyGenerator
     from evflow.io.records import RecordInput, RecordOutput
     from evflow.io.root import RootInput, RootOutput
     from evflow.processing.api import process
-    from evflow.processing.datastore import DataStore, EventMeta, RunMeta
     from evflow.processing.module import Module, Param, Source
     from evflow.processing.options import ProcessOptions
     from evflow.processing.path import Path

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import zmq
 
-from evflow.processing.datastore import DataStore, RunMeta
+from evflow.event import DataStore, RunMeta
 from evflow.qc.layers import build_layers, launch_layers, layer_layout
 from evflow.qc.publication import PublishedObject, decode_publication
 from evflow.qc.toy import ToyQc, toy_event

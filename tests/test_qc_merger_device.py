@@ -12,7 +12,7 @@ from typing import Any
 
 import zmq
 
-from evflow.processing.datastore import RunMeta
+from evflow.event import RunMeta
 from evflow.qc.layers import build_layers, launch_layers
 from evflow.qc.toy import ToyQc
 from evflow.runtime.bus import BusController

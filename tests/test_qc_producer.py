@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from evflow.processing.datastore import RunMeta
+from evflow.event import RunMeta
 from evflow.qc.merger import QcMerger
 from evflow.qc.publication import PublishedObject
 from evflow.qc.toy import ToyQc

@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from evflow.errors import ConfigurationError
-from evflow.processing.datastore import DataStore
+from evflow.event import DataStore
 from evflow.qc.merger import QcMerger
 from evflow.qc.producer_device import load_task_class
 from evflow.qc.publication import PublishedObject

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from evflow.errors import ClosedError, CorruptRecordError, InputError, OutputError
+from evflow.event import FLAG_QUARANTINED, DataStore, EventMeta
 from evflow.io._recformat import FILE_HEADER_SIZE, RECORD_HEADER_SIZE, file_header
 from evflow.io.generators import ToyGenerator
 from evflow.io.records import RecordInput, RecordOutput, RecordReader, RecordWriter
-from evflow.processing.datastore import FLAG_QUARANTINED, DataStore, EventMeta
 from evflow.wire.codec import encode_event, pack_frames
 
 DATA = Path(__file__).parent / "data"

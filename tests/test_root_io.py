@@ -10,8 +10,8 @@ import skhep_testdata
 import uproot
 
 from evflow.errors import ClosedError, InputError, OutputError
+from evflow.event import FLAG_QUARANTINED, DataStore, EventMeta
 from evflow.io.root import META_BRANCHES, RootInput, RootOutput
-from evflow.processing.datastore import FLAG_QUARANTINED, DataStore, EventMeta
 from evflow.wire.codec import encode_event
 
 HZZ = skhep_testdata.data_path("uproot-HZZ.root")

@@ -21,7 +21,7 @@ import pytest
 
 from evflow import DataStore, Module
 from evflow.cli import main
-from evflow.processing.datastore import FLAG_QUARANTINED
+from evflow.event import FLAG_QUARANTINED
 from evflow.processing.options import DEFAULT_EVENT_TIMEOUT_S, ProcessOptions
 from evflow.processing.parallel.checkpoint import CheckpointFile, CheckpointWriter
 from evflow.processing.statistics import ModuleStatistics

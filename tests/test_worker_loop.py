@@ -14,11 +14,11 @@ import zmq
 
 from evflow import DataStore, Module
 from evflow.errors import CodecError, ModuleError, OutputError
+from evflow.event import FLAG_DROPPED, EventMeta
 from evflow.io import BusyWork, ToyGenerator
 from evflow.io._encoded_toy import ToyEncoder
 from evflow.processing import chain as chain_module
 from evflow.processing.chain import ModuleChain
-from evflow.processing.datastore import FLAG_DROPPED, EventMeta
 from evflow.processing.parallel import worker as worker_role
 from evflow.processing.parallel.batching import (
     BatchSizer,

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from evflow.processing.datastore import DataStore, RunMeta
+from evflow.event import DataStore, RunMeta
 from evflow.processing.module import Module, Param
 
 # input branches of uproot-HZZ.root that the analysis reads

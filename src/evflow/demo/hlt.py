@@ -32,12 +32,12 @@ from evflow.demo.analysis import (
 )
 from evflow.demo.runner import hzz_path
 from evflow.errors import ConfigurationError, EvflowError, OutputError
+from evflow.event import DataStore
 from evflow.hlt.asyncmodule import AsyncTaskModule
 from evflow.hlt.builder_device import EventBuilderInput
 from evflow.hlt.replay import join_fragments
 from evflow.io.records import RecordOutput, RecordReader, decode_record
 from evflow.processing.api import process
-from evflow.processing.datastore import DataStore
 from evflow.processing.path import Path
 from evflow.processing.summary import RunSummary
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from evflow.processing.datastore import DataStore
+from evflow.event import DataStore
 from evflow.qc.producer import QcTask
 
 __all__ = ["MUON_BRANCHES", "MuonQc"]

@@ -29,7 +29,7 @@ import numpy as np
 
 from evflow.demo.runner import DemoResult, run_demo
 from evflow.errors import OutputError, TimeoutError_
-from evflow.processing.datastore import DataStore, RunMeta
+from evflow.event import DataStore, RunMeta
 from evflow.qc.producer import QcTask
 
 __all__ = ["HzzQc", "QcDemoResult", "make_reference", "run_qc_demo"]

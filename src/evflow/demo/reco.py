@@ -19,7 +19,7 @@ import math
 import numpy as np
 
 from evflow.demo.zfit import MUON_MASS_GEV, Resolution, fit_lineshape, fit_mass_constraint
-from evflow.processing.datastore import DataStore
+from evflow.event import DataStore
 from evflow.processing.module import Module, Param
 
 # per-pair branches (arrays, one value per opposite-charge pair, pairs i < j in pT order)

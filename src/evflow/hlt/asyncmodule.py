@@ -29,9 +29,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from evflow.event import DataStore
 from evflow.hlt.asynctask import POLICIES, AsyncTask, TaskResult
 from evflow.params import Param
-from evflow.processing.datastore import DataStore
 from evflow.processing.module import Module
 
 __all__ = ["AppliedUpdate", "AsyncTaskModule"]

@@ -41,6 +41,7 @@ import numpy as np
 import zmq
 
 from evflow.errors import ConfigurationError
+from evflow.event import DataStore, EventMeta
 from evflow.hlt.built import (
     Merge,
     encode_built,
@@ -52,7 +53,6 @@ from evflow.hlt.eventbuilder import BuilderConfig, BuiltBatch, EventBuilder
 from evflow.hlt.links import FragmentReceiver
 from evflow.hlt.replay import join_fragments
 from evflow.params import Param
-from evflow.processing.datastore import DataStore, EventMeta
 from evflow.processing.module import Source
 from evflow.processing.parallel.lazystore import LazyEvent
 from evflow.runtime.device import Device

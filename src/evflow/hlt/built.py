@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 
 from evflow.errors import ProtocolError
+from evflow.event import DataStore, EventMeta
 from evflow.hlt.eventbuilder import BuildState, BuiltBatch
 from evflow.hlt.joined import rehead
 from evflow.hlt.replay import join_fragments
-from evflow.processing.datastore import DataStore, EventMeta
 from evflow.wire._arrays import dtype_str
 from evflow.wire._header import (
     CODEC_VERSION,

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from evflow.errors import CodecError, InputError, ParameterError
+from evflow.event import DataStore, EventMeta
 from evflow.params import Param
-from evflow.processing.datastore import DataStore, EventMeta
 from evflow.processing.module import Module, Source
 from evflow.wire._raw import pack_frames, unpack_frames
 from evflow.wire.codec import decode_event, encode_event

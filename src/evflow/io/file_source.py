@@ -20,9 +20,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from evflow.errors import InputError
+from evflow.event import DataStore
 from evflow.io.root import resolve_input_file
 from evflow.params import Param
-from evflow.processing.datastore import DataStore
 from evflow.processing.module import Source
 from evflow.runtime.devices.source import SourceDevice
 

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from evflow.errors import ParameterError
+from evflow.event import DataStore, EventMeta
 from evflow.io.cpuwork import burn_cpu
-from evflow.processing.datastore import DataStore, EventMeta
 from evflow.processing.module import Module, Param, Source
 
 # Payload views start at a position-dependent offset inside a block this much larger

@@ -12,9 +12,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from evflow.errors import CodecError, CorruptRecordError, OutputError
+from evflow.event import DataStore, EventMeta
 from evflow.io._recfile import Record, RecordReader, RecordWriter, TornTail
 from evflow.io.writer import Writer
-from evflow.processing.datastore import DataStore, EventMeta
 from evflow.processing.module import Param, Source
 from evflow.wire.codec import decode_event, encode_event, unpack_frames
 

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from evflow.errors import ClosedError, InputError, OutputError
+from evflow.event import DataStore, EventMeta
 from evflow.io.writer import Writer
-from evflow.processing.datastore import DataStore, EventMeta
 from evflow.processing.module import Param, Source
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from evflow.processing.datastore import DataStore, EventMeta
+from evflow.event import DataStore, EventMeta
 from evflow.processing.module import Module
 
 

@@ -1,6 +1,6 @@
 """Modules, paths, the event store and the processors that run them."""
 
-from evflow.processing.datastore import DataStore, EventMeta, RunMeta
+from evflow.event import DataStore, EventMeta, RunMeta
 from evflow.processing.module import Module, Param, Source
 from evflow.processing.path import Path
 

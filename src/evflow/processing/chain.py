@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from evflow.errors import EvflowError, ModuleError
-from evflow.processing.datastore import FLAG_DROPPED, DataStore, RunMeta
+from evflow.event import FLAG_DROPPED, DataStore, RunMeta
 from evflow.processing.module import Module, Source
 from evflow.processing.statistics import ModuleStatistics, StatisticsCollector
 

@@ -19,7 +19,7 @@ from pathlib import Path as FsPath
 
 import psutil
 
-from evflow.processing.datastore import FLAG_QUARANTINED
+from evflow.event import FLAG_QUARANTINED
 from evflow.processing.faults import FaultInjector
 from evflow.processing.path import Path
 from evflow.processing.summary import RunSummary

@@ -35,7 +35,7 @@ import time
 from typing import ClassVar
 
 from evflow.errors import ParameterError
-from evflow.processing.datastore import DataStore
+from evflow.event import DataStore
 from evflow.processing.module import Module, Param
 
 MODES = ("raise", "hang", "segfault", "exit", "memory", "slow")

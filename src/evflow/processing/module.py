@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
+from evflow.event import DataStore, RunMeta
 from evflow.params import REQUIRED, Param, declared_params, resolve_params
-from evflow.processing.datastore import DataStore, RunMeta
 
 __all__ = ["REQUIRED", "Module", "Param", "Source"]
 

@@ -16,8 +16,8 @@ import contextlib
 from typing import Any
 
 from evflow.errors import ModuleError
+from evflow.event import FLAG_QUARANTINED, QUARANTINE_REASON, DataStore
 from evflow.processing.chain import ModuleChain, is_writer
-from evflow.processing.datastore import FLAG_QUARANTINED, QUARANTINE_REASON, DataStore
 from evflow.processing.failures import FailureLog
 
 #: more quarantined events stop the run (``extra={"max_quarantined": n}``, as parallel)

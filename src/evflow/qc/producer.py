@@ -39,8 +39,8 @@ from typing import Any
 import msgpack
 import zmq
 
+from evflow.event import DataStore, RunMeta
 from evflow.params import Param
-from evflow.processing.datastore import DataStore, RunMeta
 from evflow.processing.module import Module
 from evflow.processing.parallel.deltas import DeltaEncoder
 from evflow.qc.objects import encode_object, is_mergeable

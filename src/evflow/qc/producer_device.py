@@ -18,8 +18,8 @@ import traceback
 from typing import Any
 
 from evflow.errors import CodecError, ConfigurationError, IncompleteStreamError
+from evflow.event import DataStore, RunMeta
 from evflow.params import Param
-from evflow.processing.datastore import DataStore, RunMeta
 from evflow.processing.failures import SHOWN_UIDS, FailureLog
 from evflow.qc.producer import QcTask
 from evflow.runtime.device import Device, Origin

@@ -23,8 +23,8 @@ import boost_histogram as bh
 import hist
 import numpy as np
 
+from evflow.event import DataStore, EventMeta
 from evflow.params import Param
-from evflow.processing.datastore import DataStore, EventMeta
 from evflow.qc.producer import QcTask
 from evflow.qc.recordbatch import RecordBatch
 from evflow.runtime._loops import send_when_ready

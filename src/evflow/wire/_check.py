@@ -15,7 +15,7 @@ from typing import Any
 import msgpack
 
 from evflow.errors import CodecError
-from evflow.processing.datastore import EventMeta
+from evflow.event import EventMeta
 from evflow.wire._arrays import ext_hook, parse_dtype
 from evflow.wire._header import CODEC_VERSION, KIND_EVENT, META, T_ARRAY, T_VALUE
 

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import msgpack
 
 from evflow.errors import CodecError
-from evflow.processing.datastore import EventMeta
+from evflow.event import EventMeta
 from evflow.wire._arrays import ext_default, ext_hook
 from evflow.wire._pickle_codec import PICKLE_MAGIC
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from evflow.errors import CodecError
-from evflow.processing.datastore import DataStore, EventMeta
+from evflow.event import DataStore, EventMeta
 
 # 0xc1 is never used by msgpack, so the default codec recognises (and refuses) these.
 PICKLE_MAGIC = b"\xc1EVFLOW-PICKLE-1"

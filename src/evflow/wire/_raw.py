@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from evflow.errors import CodecError
-from evflow.processing.datastore import EventMeta
+from evflow.event import EventMeta
 from evflow.wire._header import (
     CODEC_VERSION,
     EVENT_PREFIX,

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from evflow.errors import CodecError, ConfigurationError
-from evflow.processing.datastore import DataStore
+from evflow.event import DataStore
 from evflow.wire._arrays import (
     array_from_buffer,
     as_bytes_view,

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from evflow.processing.datastore import EventMeta
+from evflow.event import EventMeta
 from evflow.wire.codec import peek_meta, peek_metas_at
 
 #: events whose encoded size is below this travel packed in batches (bytes)

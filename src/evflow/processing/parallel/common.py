@@ -21,7 +21,7 @@ from typing import Any, cast
 import zmq
 
 from evflow.errors import EvflowError, ModuleError
-from evflow.processing.datastore import RunMeta
+from evflow.event import RunMeta
 from evflow.processing.parallel import tcpwire
 from evflow.processing.parallel.rolebus import RoleBus
 from evflow.processing.parallel.split import SplitPath

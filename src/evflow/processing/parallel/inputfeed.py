@@ -18,8 +18,8 @@ import numpy as np
 import zmq
 
 from evflow.errors import EvflowError, ModuleError
+from evflow.event import DataStore
 from evflow.processing.chain import ModuleChain, user_traceback
-from evflow.processing.datastore import DataStore
 from evflow.processing.module import Source
 from evflow.processing.parallel.batching import (
     BatchSizer,

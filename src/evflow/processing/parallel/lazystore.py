@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from evflow.errors import CodecError
-from evflow.processing.datastore import DataStore, EventMeta
+from evflow.event import DataStore, EventMeta
 from evflow.processing.parallel.batching import unpack_batch
 from evflow.wire._check import quick_meta
 from evflow.wire._header import EVENT_PREFIX, META, META_END, META_START

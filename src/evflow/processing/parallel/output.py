@@ -25,9 +25,9 @@ import numpy as np
 import zmq
 
 from evflow.errors import CodecError, ProtocolError
+from evflow.event import FLAG_QUARANTINED, QUARANTINE_REASON, DataStore
 from evflow.monitor.console import ConsoleProgress
 from evflow.processing.chain import ModuleChain
-from evflow.processing.datastore import FLAG_QUARANTINED, QUARANTINE_REASON, DataStore
 from evflow.processing.parallel.batching import from_u64, unpack_batch
 from evflow.processing.parallel.checkpoint import open_writers_for_append
 from evflow.processing.parallel.common import (

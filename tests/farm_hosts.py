@@ -31,7 +31,7 @@ from pathlib import Path
 
 import psutil
 
-from evflow.topology.hosts import HostSpec
+from evflow.transport.hosts import HostSpec
 
 NS_PREFIX = "evf"
 _NAME_RE = re.compile(rf"^{NS_PREFIX}(\d+)-h\d+$")

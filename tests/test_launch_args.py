@@ -7,9 +7,9 @@ import shlex
 import pytest
 
 from evflow.errors import ConfigurationError
-from evflow.topology.hosts import HostSpec
 from evflow.topology.launch._process import guarded
 from evflow.topology.launch.ssh import SshLauncher
+from evflow.transport.hosts import HostSpec
 
 
 def test_ssh_argv_is_batch_mode_with_a_bounded_connect(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,9 +16,9 @@ import pytest
 
 from _wait import poll_until, wait_until
 from evflow.errors import ConfigurationError
-from evflow.topology.hosts import HostSpec
 from evflow.topology.launch import get_launcher
 from evflow.topology.launch.slurm import BatchJob, SlurmLauncher
+from evflow.transport.hosts import HostSpec
 from farm_hosts import NamespaceFarm, probe_argv, probe_env, read_json_line
 from farm_slurm import SlurmCluster
 
@@ -105,7 +105,7 @@ def test_controller_sigkill_ends_the_job(farm: NamespaceFarm, slurm: SlurmCluste
     script = (
         "import sys, time\n"
         "from farm_hosts import probe_argv, probe_env\n"
-        "from evflow.topology.hosts import HostSpec\n"
+        "from evflow.transport.hosts import HostSpec\n"
         "from evflow.topology.launch.slurm import SlurmLauncher\n"
         "h = SlurmLauncher().start_command(HostSpec(name='h3'),\n"
         "    probe_argv(sys.executable, '--children', '2'), probe_env())\n"

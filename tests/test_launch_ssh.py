@@ -75,7 +75,7 @@ def test_controller_sigkill_leaves_nothing_on_the_host(farm: NamespaceFarm, tmp_
     script = (
         "import sys, time\n"
         "from farm_hosts import probe_argv, probe_env\n"
-        "from evflow.topology.hosts import HostSpec\n"
+        "from evflow.transport.hosts import HostSpec\n"
         "from evflow.topology.launch.ssh import SshLauncher\n"
         f"host = HostSpec(name='h2', address={farm.hosts['h2'].address!r}, "
         f"ssh='root@{farm.hosts['h2'].address}')\n"

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from evflow.errors import ConfigurationError
-from evflow.topology.hosts import load_hosts
 from evflow.topology.loader import load_topology, parse_topology
 from evflow.topology.node import Exchange
 from evflow.topology.resolve import resolve
 from evflow.transport.channel_config import SOCKET_OPTIONS
+from evflow.transport.hosts import load_hosts
 
 EXAMPLES = Path(__file__).parent.parent / "examples" / "topologies"
 
@@ -41,7 +41,7 @@ def parse(text: str, **kw: object) -> object:
 
 def hosts(*names: str) -> dict[str, object]:
     table = {n: {"address": f"10.0.0.{i + 1}"} for i, n in enumerate(names)}
-    from evflow.topology.hosts import parse_hosts
+    from evflow.transport.hosts import parse_hosts
 
     return parse_hosts(table, source="hosts.toml")  # type: ignore[return-value]
 

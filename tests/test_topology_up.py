@@ -24,9 +24,9 @@ import pytest
 
 from _topo import Lines, wait_for_controller
 from evflow.qc.repository import Repository
-from evflow.topology.hosts import load_hosts
 from evflow.topology.loader import load_topology
 from evflow.topology.resolve import resolve
+from evflow.transport.hosts import load_hosts
 
 EXAMPLES = Path(__file__).parent.parent / "examples" / "topologies"
 HOSTS3 = "[hosts]\n" + "".join(f'h{i} = {{ address = "127.0.0.1" }}\n' for i in (1, 2, 3))

@@ -87,9 +87,9 @@ def session_name(name: str) -> str:
 
 
 def _load(args: argparse.Namespace) -> Any:
-    from evflow.topology.hosts import load_hosts
     from evflow.topology.loader import load_topology
     from evflow.topology.resolve import resolve
+    from evflow.transport.hosts import load_hosts
 
     hosts = load_hosts(args.hosts) if args.hosts else None
     return resolve(load_topology(args.topology, hosts))

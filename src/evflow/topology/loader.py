@@ -14,8 +14,8 @@ from typing import Any
 
 from evflow.errors import ConfigurationError
 from evflow.topology import checks
-from evflow.topology.hosts import HostSpec
 from evflow.topology.spec import TopologySpec, build_spec
+from evflow.transport.hosts import HostSpec
 
 __all__ = ["load_topology", "parse_topology"]
 

@@ -33,9 +33,9 @@ from typing import Any
 
 from evflow.errors import ConfigurationError
 from evflow.qc.layers import MergerSpec, build_layers, layer_layout, merger_params
-from evflow.topology.hosts import HostSpec
 from evflow.topology.resolve import _host_list, _place
 from evflow.topology.spec import ChannelSpec, CollectionSpec, DeviceSpec, TopologySpec
+from evflow.transport.hosts import HostSpec
 
 __all__ = ["expand_qc"]
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from evflow.errors import ConfigurationError
-from evflow.topology.hosts import LOCALHOST, HostSpec, local_host
 from evflow.topology.spec import ChannelSpec, DeviceSpec, TopologySpec
+from evflow.transport.hosts import LOCALHOST, HostSpec, local_host
 
 __all__ = ["Group", "ResolvedChannel", "ResolvedDevice", "ResolvedTopology", "resolve"]
 

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from evflow.errors import ConfigurationError
-from evflow.topology.hosts import HostSpec
 from evflow.transport.farmkeys import (
     CONTROLLER_KEY,
     ENV_CONTROLLER,
@@ -31,6 +30,7 @@ from evflow.transport.farmkeys import (
     ENV_KEYS,
     key_names,
 )
+from evflow.transport.hosts import HostSpec
 
 __all__ = [
     "BusRefusals",

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from evflow.errors import ConfigurationError
-from evflow.topology.hosts import HostSpec, parse_hosts
 from evflow.transport.channel_config import SOCKET_OPTIONS, SOCKET_TYPES, config_from_mapping
+from evflow.transport.hosts import HostSpec, parse_hosts
 
 __all__ = [
     "EVERY_HOST",

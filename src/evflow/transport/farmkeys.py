@@ -112,7 +112,7 @@ def farm_keys() -> FarmKeys | None:
                 f"{ENV_KEYS} is set but {ENV_HOST} and {ENV_HOSTS_FILE} are not both set: "
                 "farm CURVE needs this host's name and the hosts file"
             )
-        from evflow.topology.hosts import load_hosts
+        from evflow.transport.hosts import load_hosts
 
         hosts = load_hosts(Path(hosts_file))
         if host not in hosts and host != CONTROLLER_KEY:

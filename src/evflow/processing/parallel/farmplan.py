@@ -16,7 +16,7 @@ from evflow.processing.options import ProcessOptions
 
 def plan_hosts(options: ProcessOptions) -> tuple[dict[str, Any], dict[str, int]]:
     """(hosts by name, workers per host) from ``options.hosts`` and the counts."""
-    from evflow.topology.hosts import load_hosts, parse_hosts
+    from evflow.transport.hosts import load_hosts, parse_hosts
 
     source = options.hosts
     table: Any  # the [hosts] table, or whatever a broken file holds there

@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable
 from typing import IO
 
-from evflow.topology.hosts import HostSpec
 from evflow.topology.launch._guard import READY_PREFIX
+from evflow.transport.hosts import HostSpec
 
 log = logging.getLogger("evflow.launch")
 

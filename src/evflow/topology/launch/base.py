@@ -13,7 +13,7 @@ import importlib
 from typing import Protocol
 
 from evflow.errors import ConfigurationError
-from evflow.topology.hosts import HostSpec
+from evflow.transport.hosts import HostSpec
 
 LAUNCHERS = ("local", "ssh", "slurm")
 

@@ -16,7 +16,7 @@ import threading
 from typing import IO
 
 from evflow.errors import ConfigurationError
-from evflow.topology.hosts import HostSpec
+from evflow.transport.hosts import HostSpec
 
 __all__ = ["LAUNCHER", "LocalAgent", "LocalLauncher"]
 

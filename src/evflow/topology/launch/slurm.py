@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 from evflow.errors import ConfigurationError
-from evflow.topology.hosts import HostSpec
 from evflow.topology.launch._process import GuardedProcess, guarded
+from evflow.transport.hosts import HostSpec
 
 #: seconds srun/sbatch wait for the node before giving up (--immediate)
 IMMEDIATE_S = 5

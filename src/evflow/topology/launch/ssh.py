@@ -21,8 +21,8 @@ import shlex
 import sys
 
 from evflow.errors import ConfigurationError
-from evflow.topology.hosts import HostSpec
 from evflow.topology.launch._process import GuardedProcess, guarded
+from evflow.transport.hosts import HostSpec
 
 #: seconds ssh may take to open the TCP connection
 CONNECT_TIMEOUT_S = 5

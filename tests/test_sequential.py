@@ -13,8 +13,8 @@ from evflow import DataStore, Module, Path, ProcessOptions, RunSummary
 from evflow.errors import ConfigurationError, InputError, ModuleError, OutputError
 from evflow.event import FLAG_DROPPED
 from evflow.io.records import RecordInput, RecordOutput
-from evflow.monitor.console import ConsoleProgress
 from evflow.processing import chain as chain_module
+from evflow.processing.console import ConsoleProgress
 from evflow.processing.sequential import run_sequential
 from evflow.processing.statistics import ModuleStatistics, merge_statistics
 from helpers_processing import Exploder, ListSource, Recorder

@@ -1,9 +1,10 @@
 """How ``evflow run --dashboard/--report`` reaches the parent of a parallel run.
 
-The command line records a :class:`RunMonitor` request (:func:`request`); the parallel
-engine, which owns the run's bus, calls :func:`on_bus` once the bus is up and
-:func:`on_end` when the roles have exited. With no request both are no-ops costing one
-attribute read, so the engine needs no option of its own. A topology controller
+The command line records a :class:`RunMonitor` request (:func:`request`), which
+installs :func:`on_bus` and :func:`on_end` as the run hooks of ``processing/runhooks.py``:
+the parallel engine, which owns the run's bus, calls the first once the bus is up and
+the second when the roles have exited. With no request nothing is installed, so the
+engine needs no option of its own and processing does not import monitor. A topology controller
 (``evflow up``) calls :func:`evflow.monitor.web.start_dashboard` directly instead.
 """
 
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from evflow.monitor.collector import BusCollector, MetricsStore
+from evflow.processing import runhooks
+from evflow.processing.runhooks import RunHooks
 from evflow.runtime.busclient import BusEndpoints
 
 log = logging.getLogger("evflow.monitor")
@@ -65,12 +68,14 @@ def request(monitor: RunMonitor | None) -> None:
         if monitor.port != "auto":
             bind_socket(monitor.host, monitor.port).close()
     _requested = monitor
+    runhooks.install(RunHooks(on_bus, on_end) if monitor is not None else None)
 
 
 def release() -> None:
     """No more monitoring for later runs (``used`` is kept)."""
     global _requested
     _requested = None
+    runhooks.install(None)
 
 
 def on_bus(endpoints: BusEndpoints, info: Callable[[], dict[str, Any]]) -> ActiveMonitor | None:

@@ -18,8 +18,8 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from evflow.errors import ConfigurationError, EvflowError, ModuleError
-from evflow.monitor.console import ConsoleProgress, is_terminal
 from evflow.processing.chain import ModuleChain, output_files, user_traceback
+from evflow.processing.console import ConsoleProgress, is_terminal
 from evflow.processing.failures import groups_from
 from evflow.processing.options import ProcessOptions
 from evflow.processing.path import Path

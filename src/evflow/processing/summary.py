@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from evflow.monitor.console import is_terminal
+from evflow.processing.console import is_terminal
 from evflow.processing.failures import FailureGroup, report_failures
 from evflow.processing.statistics import ModuleStatistics, merge_statistics, processes_of
 

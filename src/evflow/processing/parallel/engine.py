@@ -36,9 +36,9 @@ from evflow.errors import (
     EvflowError,
     PeerLostError,
 )
-from evflow.monitor import runhook
-from evflow.monitor.console import is_terminal
+from evflow.processing import runhooks
 from evflow.processing.chain import output_files
+from evflow.processing.console import is_terminal
 from evflow.processing.options import ProcessOptions
 from evflow.processing.parallel import checkpoint, scoreboard, state, statsboard
 from evflow.processing.parallel.common import channel
@@ -171,7 +171,8 @@ class Parent(ControlMixin, ExitPolicy, RunSummaryMixin):
         zap = None
         proxy: BusProxy | None = None
         self.bus: BusClient | None = None
-        self.monitor: runhook.ActiveMonitor | None = None
+        hooks = runhooks.installed()  # --dashboard / --report (monitor/runhook.py)
+        self.monitor: Any = None
         start = time.monotonic()
         self.started_at = time.time()
         try:
@@ -191,8 +192,8 @@ class Parent(ControlMixin, ExitPolicy, RunSummaryMixin):
             self.bus = BusClient(ctx, "parallel", proxy.endpoints, state=self._bus_state)
             self.bus.handle("get-run", lambda args: self._progress())
             self.bus.publish_state(new="RUNNING")
-            # --dashboard / --report (monitor/runhook.py): a no-op unless asked for
-            self.monitor = runhook.on_bus(proxy.endpoints, self._monitor_info)
+            if hooks is not None:
+                self.monitor = hooks.on_bus(proxy.endpoints, self._monitor_info)
             self._remote_start(ctx)  # hosts runs: agents on other hosts (farm.py)
             # the first event needs the input and a worker; the output only its result
             self.sup.add(self._role_spec("input", input_main))
@@ -205,7 +206,8 @@ class Parent(ControlMixin, ExitPolicy, RunSummaryMixin):
             self._remote_stop()
             self.sup.close(cleanup=False)  # (nothing runs here unless the loop raised)
             ok = self.error is None and not self.signals
-            runhook.on_end(self.monitor, ok=ok, cut=self._linger_cut)
+            if hooks is not None and self.monitor is not None:
+                hooks.on_end(self.monitor, ok, self._linger_cut)
             if self.bus is not None:
                 self.bus.close()
             if proxy is not None:

@@ -26,8 +26,8 @@ import zmq
 
 from evflow.errors import CodecError, ProtocolError
 from evflow.event import FLAG_QUARANTINED, QUARANTINE_REASON, DataStore
-from evflow.monitor.console import ConsoleProgress
 from evflow.processing.chain import ModuleChain
+from evflow.processing.console import ConsoleProgress
 from evflow.processing.parallel.batching import from_u64, unpack_batch
 from evflow.processing.parallel.checkpoint import open_writers_for_append
 from evflow.processing.parallel.common import (

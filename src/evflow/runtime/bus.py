@@ -244,6 +244,13 @@ class BusProxy:
             for refusal in list(ch.security.refused_peers)
         ]
 
+    def winding_down(self) -> None:
+        """The run is ending: a peer that leaves in the middle of its CURVE handshake
+        is a process ending with it, not a refusal (``transport/curve.py``)."""
+        for ch in self._xsubs + self._xpubs:
+            if ch.security is not None:
+                ch.security.winding_down()
+
     def start_thread(self) -> threading.Thread:
         """Run the proxy in a daemon thread; :meth:`close` stops and joins it."""
         self._thread = threading.Thread(target=self.run, name="evflow-bus-proxy", daemon=True)

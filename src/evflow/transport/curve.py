@@ -16,11 +16,11 @@ handshake otherwise (a plaintext client, a client with the wrong server key). No
 is a silent time-out. Refusals are counted in :attr:`CurveSecurity.refusals`.
 
 A handshake cut short without a reason (``EVENT_HANDSHAKE_FAILED_NO_DETAIL``: the peer
-closed or reset the connection) is ambiguous: a good peer leaving while it connects
-(a process ending with a run) does it once, a plaintext peer that hangs up first on the
-mechanism mismatch does it on every retry (every 0.1 s by default). So it is a refusal
-the second time it comes from one host within ``CUT_SHORT_WINDOW_S``; the first time, an
-INFO line. (The monitor cannot tell which peer a successful handshake was from.)
+closed or reset the connection) is ambiguous. A plaintext peer that sees the mechanism
+mismatch first and hangs up does it, once (its libzmq does not retry); so does a good
+peer that leaves while it connects, e.g. a process ending with its run. The first is a
+refusal, the second not: so it is a refusal until the socket's owner says the run is
+winding down (:meth:`CurveSecurity.winding_down`), and an INFO line after that.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import os
 import socket as pysocket
 import stat
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,9 +176,6 @@ CONNECTION_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )  # fmt: skip
 
-#: a second handshake cut short from one host within this many seconds is a refusal
-CUT_SHORT_WINDOW_S = 30.0
-
 _FAILED_EVENTS: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed (protocol: plaintext peer or "
@@ -204,8 +200,8 @@ class CurveSecurity:
         self._monitor: threading.Thread | None = None
         self._socket: zmq.Socket[Any] | None = None
         self._peers: dict[int, str] = {}
-        #: when a handshake from each host was last cut short without a reason
-        self._cut_short: dict[str, float] = {}
+        #: the run is ending: a handshake cut short is a peer leaving, not a refusal
+        self._winding_down = False
         #: callbacks given every monitor event (kind, value, endpoint), from the watcher
         #: thread: libzmq keeps one monitor per socket, and a second one started on it
         #: closes this one under the watcher's feet (abort in signaler.cpp)
@@ -286,18 +282,15 @@ class CurveSecurity:
         finally:
             monitor.close(linger=0)
 
+    def winding_down(self) -> None:
+        """The run is ending: peers that leave mid-handshake from now on are processes
+        ending with it (an INFO line), not refusals (see the module docstring)."""
+        self._winding_down = True
+
     def _failed(self, peer: str, kind: int) -> None:
-        """A failed handshake: a refusal, unless it is the first one cut short from
-        this host (a good peer leaving while it connects; see the module docstring)."""
-        if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-            host, now = _host_of(peer), time.monotonic()
-            last = self._cut_short.get(host)
-            if len(self._cut_short) >= 4096:  # a flood of addresses: forget the old ones
-                self._cut_short.clear()
-            self._cut_short[host] = now
-            if last is not None and now - last <= CUT_SHORT_WINDOW_S:
-                self.refused(peer, _FAILED_EVENTS[kind])
-                return
+        """A failed handshake: a refusal, unless the run is winding down and the peer
+        only cut the handshake short."""
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and self._winding_down:
             log.info("channel %s: peer %s left during the CURVE handshake", self.label, peer)
             return
         self.refused(peer, _FAILED_EVENTS[kind])
@@ -315,12 +308,6 @@ class CurveSecurity:
             self._zap.remove(self._domain)
             self._zap.close()
             self._zap = None
-
-
-def _host_of(peer: str) -> str:
-    """The host part of ``ip:port`` (or of ``tcp://ip:port``); other text as it is."""
-    host, sep, port = peer.removeprefix("tcp://").rpartition(":")
-    return host if sep and port.isdigit() else peer
 
 
 def _peer_of(fd: int) -> str:

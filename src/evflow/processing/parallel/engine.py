@@ -203,6 +203,7 @@ class Parent(ControlMixin, ExitPolicy, RunSummaryMixin):
             self._loop()
             wall_s = time.monotonic() - start
         finally:
+            self._remote_wind_down()
             self._remote_stop()
             self.sup.close(cleanup=False)  # (nothing runs here unless the loop raised)
             ok = self.error is None and not self.signals
@@ -317,6 +318,9 @@ class Parent(ControlMixin, ExitPolicy, RunSummaryMixin):
     def _remote_tick(self) -> None:
         pass
 
+    def _remote_wind_down(self) -> None:
+        pass
+
     def _remote_stop(self) -> None:
         pass
 
@@ -363,6 +367,7 @@ class Parent(ControlMixin, ExitPolicy, RunSummaryMixin):
             roles_done = not self._alive("input") and not self._alive("output")
             if roles_done and not self.done_at:
                 self.done_at = now
+                self._remote_wind_down()  # workers leave now: not CURVE refusals
             stuck = self.done_at and now - self.done_at > WORKER_EXIT_GRACE_S
             late = self.aborting_at and now - self.aborting_at > ABORT_GRACE_S
             if stuck or late:

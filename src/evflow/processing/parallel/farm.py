@@ -224,6 +224,10 @@ class FarmParent(Parent):
     def _remote_poll(self, poller: zmq.Poller) -> None:
         poller.register(self._sub.socket, zmq.POLLIN)
 
+    def _remote_wind_down(self) -> None:
+        if hasattr(self, "farm_proxy"):
+            self.farm_proxy.winding_down()
+
     def _remote_stop(self) -> None:
         if not hasattr(self, "_pub"):
             return

@@ -6,7 +6,7 @@ codec, single events or batches) and publishes like a task in a path. END from e
 input (``inputs``, default one per sub-channel) ends the run: the last publication is
 acknowledged by the merger before the device stops. Without ``--merger`` it publishes
 on its ``qc-out`` channel (a DEALER connected to a merger's ``qc-in``): that is how a
-topology's ``[qc.NAME]`` layers wire it (:mod:`evflow.topology.qclayers`).
+topology's ``[qc.NAME]`` layers wire it (:mod:`evflow.qc.topology_tables`).
 """
 
 from __future__ import annotations

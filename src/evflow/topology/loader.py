@@ -1,23 +1,42 @@
-"""Load a topology file: read the TOML, build the spec, expand the QC layers, check.
+"""Load a topology file: read the TOML, build the spec, expand the tables that add
+devices, check.
 
-The steps live in modules below this one (``spec.py`` builds the dataclasses,
-``qclayers.py`` adds the QC merger devices, ``checks.py`` checks hosts, channels and
-classes across the devices), so that none of them imports another back.
+``spec.py`` builds the dataclasses; the ``[qc.NAME]`` tables are expanded into QC
+merger devices by ``qc/topology_tables.py``, found by name in ``EXPANSIONS``;
+``checks.py`` checks hosts, channels and classes across the devices. This module runs
+them in order, so that none of them imports another back.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from evflow.errors import ConfigurationError
 from evflow.topology import checks
-from evflow.topology.spec import TopologySpec, build_spec
+from evflow.topology.spec import CollectionSpec, DeviceSpec, TopologySpec, build_spec
 from evflow.transport.hosts import HostSpec
 
-__all__ = ["load_topology", "parse_topology"]
+__all__ = ["EXPANSIONS", "load_topology", "parse_topology"]
+
+#: top-level tables that add devices, and the function that expands each
+#: (``module:function``, imported when a file has the table: an application such as
+#: qc/ registers its tables by name, so that topology/ does not import it)
+EXPANSIONS: dict[str, str] = {"qc": "evflow.qc.topology_tables:expand_qc"}
+
+Expansion = Callable[
+    [Any, dict[str, DeviceSpec], dict[str, CollectionSpec], dict[str, HostSpec], str],
+    dict[str, DeviceSpec],
+]
+
+
+def load_expansion(target: str) -> Expansion:
+    module, _, name = target.partition(":")
+    return cast(Expansion, getattr(importlib.import_module(module), name))
 
 
 def load_topology(
@@ -50,11 +69,11 @@ def parse_topology(
 ) -> TopologySpec:
     """Check decoded TOML (see ``topology/spec.py``); errors name ``source``."""
     spec = build_spec(data, source=source, default_name=default_name, hosts=hosts)
-    if "qc" in data:  # QC merger layers: more devices, producers wired to them
-        from evflow.topology.qclayers import expand_qc
-
-        devices = expand_qc(data["qc"], spec.devices, spec.collections, spec.hosts, source)
-        spec = dataclasses.replace(spec, devices=devices)
+    for table, target in EXPANSIONS.items():
+        if table in data:
+            expand = load_expansion(target)
+            devices = expand(data[table], spec.devices, spec.collections, spec.hosts, source)
+            spec = dataclasses.replace(spec, devices=devices)
     checks.check_hosts(spec)
     checks.check_channels(spec)
     if check_classes:

@@ -145,16 +145,19 @@ class ResolvedTopology:
         return len({d.host for d in self.devices.values()}) > 1
 
 
-def _host_list(spec: TopologySpec) -> list[str]:
+def host_list(spec: TopologySpec) -> list[str]:
+    """The topology's host names (this host alone when it names none)."""
     return list(spec.hosts) or [LOCALHOST]
 
 
-def _place(
+def place_instances(
     spec: TopologySpec, instances: int, hosts: tuple[str, ...] | None, every: bool
 ) -> list[str]:
+    """The host of each instance: one per host (``every``), else round robin over
+    ``hosts`` (all the topology's hosts when None)."""
     if every:
-        return _host_list(spec)
-    pool = list(hosts) if hosts else _host_list(spec)
+        return host_list(spec)
+    pool = list(hosts) if hosts else host_list(spec)
     return [pool[i % len(pool)] for i in range(instances)]
 
 
@@ -164,7 +167,7 @@ def resolve(spec: TopologySpec) -> ResolvedTopology:
     instances: dict[str, list[tuple[str, str, int]]] = {}
     groups: list[Group] = []
     for coll in spec.collections.values():
-        hosts = _place(spec, coll.instances, coll.hosts, coll.every_host)
+        hosts = place_instances(spec, coll.instances, coll.hosts, coll.every_host)
         copies: list[list[str]] = [[] for _ in hosts]
         for dname in coll.devices:
             instances[dname] = [(f"{dname}_{k}", host, k) for k, host in enumerate(hosts)]
@@ -175,7 +178,7 @@ def resolve(spec: TopologySpec) -> ResolvedTopology:
     for dev in spec.devices.values():
         if dev.collection is not None:
             continue
-        hosts = _place(spec, dev.instances, dev.hosts, dev.every_host)
+        hosts = place_instances(spec, dev.instances, dev.hosts, dev.every_host)
         single = len(hosts) == 1 and not dev.every_host
         ids = [dev.name if single else f"{dev.name}_{i}" for i in range(len(hosts))]
         instances[dev.name] = [(i, h, k) for k, (i, h) in enumerate(zip(ids, hosts, strict=True))]

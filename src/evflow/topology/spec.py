@@ -24,7 +24,7 @@ instances = 3
 n_min = 2                             # keep running while >= 2 copies are alive
 expendable = false                    # true: its loss never stops the rest
 
-[qc.det]                              # QC merger layers (evflow.topology.qclayers)
+[qc.det]                              # QC merger layers (evflow.qc.topology_tables)
 producers = "qc"
 mergers_per_layer = [2, 1]            # or reduction = 50
 ```

@@ -33,7 +33,7 @@ from typing import Any
 
 from evflow.errors import ConfigurationError
 from evflow.qc.layers import MergerSpec, build_layers, layer_layout, merger_params
-from evflow.topology.resolve import _host_list, _place
+from evflow.topology.resolve import host_list, place_instances
 from evflow.topology.spec import ChannelSpec, CollectionSpec, DeviceSpec, TopologySpec
 from evflow.transport.hosts import HostSpec
 
@@ -205,9 +205,9 @@ def _instances(topo: TopologySpec, dev: DeviceSpec) -> tuple[list[str], list[str
     """The ids and hosts ``resolve`` gives the instances of ``dev``."""
     if dev.collection is not None:
         coll = topo.collections[dev.collection]
-        placed = _place(topo, coll.instances, coll.hosts, coll.every_host)
+        placed = place_instances(topo, coll.instances, coll.hosts, coll.every_host)
         return [f"{dev.name}_{k}" for k in range(len(placed))], placed
-    placed = _place(topo, dev.instances, dev.hosts, dev.every_host)
+    placed = place_instances(topo, dev.instances, dev.hosts, dev.every_host)
     if len(placed) == 1 and not dev.every_host:
         return [dev.name], placed
     return [f"{dev.name}_{k}" for k in range(len(placed))], placed
@@ -253,7 +253,7 @@ def _merger_hosts(
                 f"{where}: hosts must be one list of host names per layer ({layers} layers), "
                 f"e.g. {[['h1', 'h2']] * (layers - 1) + [['h1']]}; got {given!r}"
             )
-        known = set(_host_list(topo))
+        known = set(host_list(topo))
         for host in (h for layer in given for h in layer):
             if host not in known:
                 raise ConfigurationError(
@@ -269,7 +269,7 @@ def _merger_hosts(
             placed[spec.id] = pool[index[spec.layer] % len(pool)]
             index[spec.layer] += 1
         elif spec.parent is None:
-            placed[spec.id] = _host_list(topo)[0]
+            placed[spec.id] = host_list(topo)[0]
         else:  # where most of its inputs run; on a tie, the one with fewest mergers yet
             counts = Counter(host_of[i] for i in spec.inputs)
             best = max(counts.values())

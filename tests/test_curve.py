@@ -272,7 +272,7 @@ _PEER_WATCH = """
 import sys, time
 from pathlib import Path
 import zmq
-from evflow.runtime.devices._stream import PeerWatch
+from evflow.runtime.devices.stream import PeerWatch
 from evflow.transport.channel import parse_channel_config
 from evflow.transport.opening import open_channel
 

@@ -15,9 +15,9 @@ from evflow.hlt.eventbuilder import BuilderConfig, EventBuilder
 from evflow.hlt.fragments import FragmentBatch
 from evflow.hlt.replay import encoded, join_fragments, split_event
 from evflow.io import ToyGenerator
-from evflow.wire._header import packb
-from evflow.wire._raw import pack_frames
 from evflow.wire.codec import decode_event, encode_event
+from evflow.wire.header import packb
+from evflow.wire.raw import pack_frames
 
 
 def _built(blobs: list[bytes], n_src: int = 3) -> list[Any]:

@@ -19,8 +19,8 @@ from evflow.hlt.eventbuilder import BuilderConfig, EventBuilder
 from evflow.hlt.links import FragmentReceiver
 from evflow.hlt.replay import ReplayInput, Timeline, join_fragments, split_event
 from evflow.io import RecordWriter, ToyGenerator
-from evflow.wire._raw import pack_frames
 from evflow.wire.codec import encode_event
+from evflow.wire.raw import pack_frames
 
 HZZ = pytest.importorskip("skhep_testdata").data_path("uproot-HZZ.root")
 

@@ -110,12 +110,12 @@ def test_a_new_import_circle_fails(src_copy: Path) -> None:
 
 
 def test_an_underscore_module_imported_from_another_package_fails(src_copy: Path) -> None:
-    _append(src_copy / "evflow" / "qc" / "objects.py", "import evflow.runtime._loops")
+    _append(src_copy / "evflow" / "qc" / "objects.py", "import evflow.runtime._zygote_server")
     done = _lint(src_copy)
     out = done.stdout + done.stderr
     assert done.returncode == 1, out
     assert f"{PRIVATE} BROKEN" in out, out
-    assert "evflow.qc.objects -> evflow.runtime._loops" in out, out
+    assert "evflow.qc.objects -> evflow.runtime._zygote_server" in out, out
 
 
 def test_a_debt_entry_whose_import_is_gone_fails(tmp_path: Path) -> None:

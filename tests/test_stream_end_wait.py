@@ -25,7 +25,7 @@ import zmq
 
 from _proc import finish, read_stats, start_device
 from evflow.runtime.device import Device
-from evflow.runtime.devices._stream import end_and_wait
+from evflow.runtime.devices.stream import end_and_wait
 from evflow.transport.channel import ChannelConfig
 from evflow.wire.messages import MsgType, decode_message, encode_message
 

@@ -43,8 +43,8 @@ import numpy as np
 from evflow.errors import CodecError, ConfigurationError
 from evflow.event import DataStore, EventMeta
 from evflow.runtime.oscalls import recv_exact, set_parent_death_signal
-from evflow.wire._raw import pack_frames, unpack_frames
 from evflow.wire.codec import decode_event, encode_event
+from evflow.wire.raw import pack_frames, unpack_frames
 
 __all__ = ["POLICIES", "AsyncTask", "TaskFailure", "TaskResult"]
 

@@ -23,8 +23,9 @@ from evflow.event import DataStore, EventMeta
 from evflow.hlt.eventbuilder import BuildState, BuiltBatch
 from evflow.hlt.joined import rehead
 from evflow.hlt.replay import join_fragments
-from evflow.wire._arrays import dtype_str
-from evflow.wire._header import (
+from evflow.wire.arrays import dtype_str
+from evflow.wire.codec import encode_event
+from evflow.wire.header import (
     CODEC_VERSION,
     INLINE_MAX_BYTES,
     KIND_EVENT,
@@ -33,7 +34,6 @@ from evflow.wire._header import (
     T_VALUE,
     packb,
 )
-from evflow.wire.codec import encode_event
 from evflow.wire.messages import Message, MsgType, encode_message
 
 __all__ = [

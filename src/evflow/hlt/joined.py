@@ -17,9 +17,9 @@ import struct
 import msgpack
 import numpy as np
 
-from evflow.wire._arrays import dtype_str, ext_hook
-from evflow.wire._check import entries_ok
-from evflow.wire._header import EVENT_PREFIX, META_END, T_ARRAY, T_VALUE, packb
+from evflow.wire.arrays import dtype_str, ext_hook
+from evflow.wire.check import entries_ok
+from evflow.wire.header import EVENT_PREFIX, META_END, T_ARRAY, T_VALUE, packb
 
 __all__ = ["NONE_MISSING", "rehead"]
 

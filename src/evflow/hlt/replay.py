@@ -30,8 +30,8 @@ from evflow.errors import CodecError, InputError, ParameterError
 from evflow.event import DataStore, EventMeta
 from evflow.params import Param
 from evflow.processing.module import Module, Source
-from evflow.wire._raw import pack_frames, unpack_frames
 from evflow.wire.codec import decode_event, encode_event
+from evflow.wire.raw import pack_frames, unpack_frames
 
 __all__ = [
     "JoinFragments",

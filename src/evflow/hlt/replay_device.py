@@ -26,7 +26,7 @@ from evflow.hlt.links import FragmentSender, wait_acked
 from evflow.hlt.replay import ReplayReport, Timeline, encoded, load_events, split_event
 from evflow.params import Param
 from evflow.runtime.device import Device
-from evflow.runtime.devices._stream import send_end, wait_for_acks
+from evflow.runtime.devices.stream import send_end, wait_for_acks
 from evflow.wire.codec import encode_batch
 from evflow.wire.messages import MsgType
 

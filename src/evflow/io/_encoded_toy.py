@@ -21,7 +21,7 @@ import msgpack
 import numpy as np
 
 from evflow.io.cpuwork import burn_cpu
-from evflow.wire._arrays import dtype_str
+from evflow.wire.arrays import dtype_str
 from evflow.wire.codec import CODEC_VERSION, INLINE_MAX_BYTES, encode_event
 
 

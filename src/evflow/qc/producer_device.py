@@ -23,8 +23,8 @@ from evflow.params import Param
 from evflow.processing.failures import SHOWN_UIDS, FailureLog
 from evflow.qc.producer import QcTask
 from evflow.runtime.device import Device, Origin
-from evflow.runtime.devices._stream import EndTracker, acknowledge
 from evflow.runtime.devices.eventsink import decode_events
+from evflow.runtime.devices.stream import EndTracker, acknowledge
 from evflow.wire.messages import Message, MsgType
 
 log = logging.getLogger("evflow.qc")

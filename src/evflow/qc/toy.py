@@ -27,9 +27,9 @@ from evflow.event import DataStore, EventMeta
 from evflow.params import Param
 from evflow.qc.producer import QcTask
 from evflow.qc.recordbatch import RecordBatch
-from evflow.runtime._loops import send_when_ready
 from evflow.runtime.device import Device
-from evflow.runtime.devices._stream import end_and_wait
+from evflow.runtime.devices.stream import end_and_wait
+from evflow.runtime.loops import send_when_ready
 from evflow.wire.codec import encode_batch
 from evflow.wire.messages import MsgType, encode_message
 

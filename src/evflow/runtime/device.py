@@ -39,7 +39,9 @@ import zmq
 
 from evflow.errors import ConfigurationError, IncompleteStreamError, StateTransitionError
 from evflow.params import Param, declared_params, resolve_params
-from evflow.runtime._loops import (
+from evflow.runtime.device_stats import RateLogger, channel_metrics
+from evflow.runtime.framing import outgoing
+from evflow.runtime.loops import (
     DRAIN_BATCH,
     POLL_INTERVAL_MS,
     Handler,
@@ -48,8 +50,6 @@ from evflow.runtime._loops import (
     data_loop,
     idle_loop,
 )
-from evflow.runtime.device_stats import RateLogger, channel_metrics
-from evflow.runtime.framing import outgoing
 from evflow.runtime.states import (
     SHUTDOWN_STEP,
     STARTUP_SEQUENCE,

@@ -36,13 +36,14 @@ import numpy as np
 
 from evflow.errors import CodecError, ConfigurationError
 from evflow.event import DataStore
-from evflow.wire._arrays import (
+from evflow.wire._pickle_codec import PickleCodec
+from evflow.wire.arrays import (
     array_from_buffer,
     as_bytes_view,
     dtype_str,
     parse_dtype,
 )
-from evflow.wire._header import (
+from evflow.wire.header import (
     CODEC_VERSION,
     INLINE_MAX_BYTES,
     KIND_BATCH,
@@ -59,8 +60,7 @@ from evflow.wire._header import (
     unexpected,
     unpack_header,
 )
-from evflow.wire._pickle_codec import PickleCodec
-from evflow.wire._raw import (
+from evflow.wire.raw import (
     join_events,
     pack_frames,
     peek_meta,

@@ -23,9 +23,9 @@ import numpy as np
 from evflow.errors import CodecError
 from evflow.event import DataStore, EventMeta
 from evflow.processing.parallel.batching import unpack_batch
-from evflow.wire._check import quick_meta
-from evflow.wire._header import EVENT_PREFIX, META, META_END, META_START
+from evflow.wire.check import quick_meta
 from evflow.wire.codec import decode_event, peek_meta
+from evflow.wire.header import EVENT_PREFIX, META, META_END, META_START
 
 
 class LazyEvent(DataStore):

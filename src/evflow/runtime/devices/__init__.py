@@ -37,29 +37,29 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from evflow.runtime._loops import send_when_ready
     from evflow.runtime.device import Device, Origin
-    from evflow.runtime.devices._stream import (
+    from evflow.runtime.devices._streamrecord import StreamRecord
+    from evflow.runtime.devices.eventsink import SinkDevice, decode_events
+    from evflow.runtime.devices.source import SourceDevice, instance_index
+    from evflow.runtime.devices.stream import (
         acknowledge,
         end_and_wait,
         send_end,
         wait_for_acks,
     )
-    from evflow.runtime.devices._streamrecord import StreamRecord
-    from evflow.runtime.devices.eventsink import SinkDevice, decode_events
-    from evflow.runtime.devices.source import SourceDevice, instance_index
+    from evflow.runtime.loops import send_when_ready
     from evflow.wire.messages import Message, MsgType
 
 #: the public names, imported on first use: loading the registry below (every
 #: ``evflow device`` start) must not pull in sockets and the codec (numpy)
 _LAZY = {
-    "send_when_ready": "evflow.runtime._loops",
+    "send_when_ready": "evflow.runtime.loops",
     "Device": "evflow.runtime.device",
     "Origin": "evflow.runtime.device",
-    "acknowledge": "evflow.runtime.devices._stream",
-    "end_and_wait": "evflow.runtime.devices._stream",
-    "send_end": "evflow.runtime.devices._stream",
-    "wait_for_acks": "evflow.runtime.devices._stream",
+    "acknowledge": "evflow.runtime.devices.stream",
+    "end_and_wait": "evflow.runtime.devices.stream",
+    "send_end": "evflow.runtime.devices.stream",
+    "wait_for_acks": "evflow.runtime.devices.stream",
     "StreamRecord": "evflow.runtime.devices._streamrecord",
     "SinkDevice": "evflow.runtime.devices.eventsink",
     "decode_events": "evflow.runtime.devices.eventsink",

@@ -25,7 +25,7 @@ from typing import Any
 from evflow.errors import CodecError, PeerLostError
 from evflow.params import Param
 from evflow.runtime.device import Device, Origin
-from evflow.runtime.devices._stream import EndTracker, acknowledge
+from evflow.runtime.devices.stream import EndTracker, acknowledge
 from evflow.wire.codec import decode_batch, decode_event
 from evflow.wire.messages import Message, MsgType
 

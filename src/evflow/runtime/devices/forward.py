@@ -17,15 +17,15 @@ from typing import Any
 
 from evflow.errors import IncompleteStreamError
 from evflow.params import Param
-from evflow.runtime._loops import send_when_ready
 from evflow.runtime.device import Device, Origin
-from evflow.runtime.devices._stream import (
+from evflow.runtime.devices.stream import (
     EndTracker,
     acknowledge,
     count_mismatch,
     end_and_wait,
 )
 from evflow.runtime.framing import outgoing
+from evflow.runtime.loops import send_when_ready
 from evflow.transport.channel import Channel
 from evflow.wire.messages import Message, MsgType
 

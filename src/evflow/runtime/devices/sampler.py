@@ -18,11 +18,11 @@ from typing import Any
 import zmq
 
 from evflow.params import Param
-from evflow.runtime._loops import send_when_ready
 from evflow.runtime.device import Device
-from evflow.runtime.devices._stream import end_and_wait
 from evflow.runtime.devices._streamrecord import StreamRecord
+from evflow.runtime.devices.stream import end_and_wait
 from evflow.runtime.framing import outgoing
+from evflow.runtime.loops import send_when_ready
 from evflow.transport.channel import COPY_THRESHOLD_BYTES
 from evflow.transport.shm_channel import ShmChannel
 from evflow.wire.messages import MsgType

@@ -29,7 +29,7 @@ import numpy as np
 from evflow.errors import IncompleteStreamError
 from evflow.params import Param
 from evflow.runtime.device import Device, Origin
-from evflow.runtime.devices._stream import EndTracker, acknowledge, count_mismatch
+from evflow.runtime.devices.stream import EndTracker, acknowledge, count_mismatch
 from evflow.wire.messages import Message, MsgType
 
 log = logging.getLogger("evflow.device")

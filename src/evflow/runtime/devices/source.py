@@ -30,10 +30,10 @@ from typing import Any
 
 from evflow.errors import ConfigurationError
 from evflow.params import Param
-from evflow.runtime._loops import send_when_ready
 from evflow.runtime.device import Device
-from evflow.runtime.devices._stream import end_and_wait
+from evflow.runtime.devices.stream import end_and_wait
 from evflow.runtime.framing import outgoing
+from evflow.runtime.loops import send_when_ready
 from evflow.runtime.states import State
 from evflow.wire.codec import encode_batch, encode_event
 from evflow.wire.messages import MsgType

@@ -1,6 +1,6 @@
 """The codec's header format: constants, packing, and validation of untrusted headers.
 
-Private helper of :mod:`evflow.wire.codec` and :mod:`evflow.wire._raw` (the format is
+Private helper of :mod:`evflow.wire.codec` and :mod:`evflow.wire.raw` (the format is
 described in the codec's docstring). Every reader here treats its input as hostile and
 raises :class:`CodecError`, never another exception.
 """
@@ -17,8 +17,8 @@ import msgpack
 
 from evflow.errors import CodecError
 from evflow.event import EventMeta
-from evflow.wire._arrays import ext_default, ext_hook
 from evflow.wire._pickle_codec import PICKLE_MAGIC
+from evflow.wire.arrays import ext_default, ext_hook
 
 CODEC_VERSION = 1
 KIND_EVENT = 0

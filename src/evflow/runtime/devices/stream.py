@@ -24,9 +24,9 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from evflow.errors import IncompleteStreamError
-from evflow.runtime._loops import send_when_ready
 from evflow.runtime.device import BIDIRECTIONAL, Device, Origin
 from evflow.runtime.devices._streamrecord import StreamRecord
+from evflow.runtime.loops import send_when_ready
 from evflow.transport.channel import Channel
 from evflow.transport.curve import CONNECTION_EVENTS
 from evflow.wire.messages import Message, MsgType, encode_message

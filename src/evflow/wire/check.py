@@ -16,8 +16,8 @@ import msgpack
 
 from evflow.errors import CodecError
 from evflow.event import EventMeta
-from evflow.wire._arrays import ext_hook, parse_dtype
-from evflow.wire._header import CODEC_VERSION, KIND_EVENT, META, T_ARRAY, T_VALUE
+from evflow.wire.arrays import ext_hook, parse_dtype
+from evflow.wire.header import CODEC_VERSION, KIND_EVENT, META, T_ARRAY, T_VALUE
 
 __all__ = ["entries_ok", "quick_meta"]
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from evflow.errors import CodecError
 from evflow.event import EventMeta
-from evflow.wire._header import (
+from evflow.wire.header import (
     CODEC_VERSION,
     EVENT_PREFIX,
     KIND_BATCH,

@@ -87,7 +87,7 @@ def handle(args: argparse.Namespace) -> int:
             print(f"selected events: {result.selected}")
         return 0
     if getattr(args, "chaos", False):
-        from evflow.processing.chaos import run_chaos_demo
+        from evflow.demo.chaos import run_chaos_demo
 
         chaos = run_chaos_demo(
             args.output_dir,

@@ -29,6 +29,7 @@ from typing import Any
 from evflow.errors import CodecError, InputError, ParameterError
 from evflow.event import DataStore, EventMeta
 from evflow.params import Param
+from evflow.processing.filetypes import file_source
 from evflow.processing.module import Module, Source
 from evflow.wire.codec import decode_event, encode_event
 from evflow.wire.raw import pack_frames, unpack_frames
@@ -50,15 +51,7 @@ def load_events(
     file: str, tree: str = "events", branches: list[str] | None = None
 ) -> list[DataStore]:
     """Every event of a ROOT file (``.root``) or a record file, in file order."""
-    if file.endswith(".root"):
-        from evflow.io.root import RootInput
-
-        source: Source = RootInput(file=file, tree=tree, branches=branches)
-    else:
-        from evflow.io.records import RecordInput
-
-        source = RecordInput(file=file)
-    events = list(source.events(0))
+    events = list(file_source(file, tree, branches).events(0))
     if not events:
         raise InputError(f"replay file {file!r} holds no events")
     return events

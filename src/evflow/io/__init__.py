@@ -15,7 +15,7 @@ from evflow.io.records import (
     TornTail,
 )
 from evflow.io.root import RootInput, RootOutput
-from evflow.io.writer import Writer
+from evflow.processing.writer import Writer
 
 __all__ = [
     "BusyWork",

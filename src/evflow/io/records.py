@@ -14,8 +14,8 @@ from typing import Any
 from evflow.errors import CodecError, CorruptRecordError, OutputError
 from evflow.event import DataStore, EventMeta
 from evflow.io._recfile import Record, RecordReader, RecordWriter, TornTail
-from evflow.io.writer import Writer
 from evflow.processing.module import Param, Source
+from evflow.processing.writer import Writer
 from evflow.wire.codec import decode_event, encode_event, unpack_frames
 
 __all__ = ["Record", "RecordInput", "RecordOutput", "RecordReader", "RecordWriter", "TornTail"]

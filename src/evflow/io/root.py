@@ -24,8 +24,8 @@ import numpy as np
 
 from evflow.errors import ClosedError, InputError, OutputError
 from evflow.event import DataStore, EventMeta
-from evflow.io.writer import Writer
 from evflow.processing.module import Param, Source
+from evflow.processing.writer import Writer
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from pathlib import Path as FsPath
 from typing import Any
 
 from evflow.errors import ConfigurationError, OutputError
-from evflow.processing.module import Module
+from evflow.processing.filetypes import output_writer
 from evflow.processing.options import ProcessOptions
 from evflow.processing.path import Path
 from evflow.processing.steering import current_context
@@ -80,16 +80,7 @@ def with_output(path: Path, output: str) -> Path:
     (evflow's record file). The directory must exist and be writable.
     """
     check_writable(output)
-    writer: Module
-    if output.lower().endswith(".root"):
-        from evflow.io.root import RootOutput
-
-        writer = RootOutput(name="output", file=output)
-    else:
-        from evflow.io.records import RecordOutput
-
-        writer = RecordOutput(name="output", file=output)
-    return Path([*path.modules, writer])
+    return Path([*path.modules, output_writer(output)])
 
 
 def check_writable(output: str) -> None:

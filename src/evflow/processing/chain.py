@@ -18,6 +18,7 @@ from evflow.errors import EvflowError, ModuleError
 from evflow.event import FLAG_DROPPED, DataStore, RunMeta
 from evflow.processing.module import Module, Source
 from evflow.processing.statistics import ModuleStatistics, StatisticsCollector
+from evflow.processing.writer import Writer
 
 log = logging.getLogger(__name__)
 
@@ -257,14 +258,10 @@ class ModuleChain:
 
 
 def is_writer(module: Module) -> bool:
-    """Whether ``module`` writes output (an ``evflow.io.writer.Writer`` or one in shape)."""
-    try:
-        from evflow.io.writer import Writer
-
-        if isinstance(module, Writer):
-            return True
-    except ImportError:  # the I/O layer may be missing from a stripped install
-        pass
+    """Whether ``module`` writes output (a :class:`~evflow.processing.writer.Writer`, or
+    one in shape)."""
+    if isinstance(module, Writer):
+        return True
     return all(callable(getattr(module, name, None)) for name in ("flush", "close", "write_raw"))
 
 

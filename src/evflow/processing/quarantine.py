@@ -19,6 +19,8 @@ from evflow.errors import ModuleError
 from evflow.event import FLAG_QUARANTINED, QUARANTINE_REASON, DataStore
 from evflow.processing.chain import ModuleChain, is_writer
 from evflow.processing.failures import FailureLog
+from evflow.processing.filetypes import quarantine_writer
+from evflow.processing.writer import quarantine_file_for
 
 #: more quarantined events stop the run (``extra={"max_quarantined": n}``, as parallel)
 MAX_QUARANTINED = 1000
@@ -53,14 +55,11 @@ class SequentialQuarantine:
                 self._writer_for(i, module).write(store)
 
     def _writer_for(self, index: int, writer: Any) -> Any:
-        from evflow.io.records import RecordOutput
-        from evflow.io.writer import quarantine_file_for
-
         beside = quarantine_file_for(writer)
         if beside is None:
             return writer
         if index not in self.beside:
-            self.beside[index] = RecordOutput(name=f"{writer.name}.quarantine", file=beside)
+            self.beside[index] = quarantine_writer(beside, f"{writer.name}.quarantine")
         return self.beside[index]
 
     @property

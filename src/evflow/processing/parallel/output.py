@@ -28,6 +28,7 @@ from evflow.errors import CodecError, ProtocolError
 from evflow.event import FLAG_QUARANTINED, QUARANTINE_REASON, DataStore
 from evflow.processing.chain import ModuleChain
 from evflow.processing.console import ConsoleProgress
+from evflow.processing.filetypes import quarantine_writer
 from evflow.processing.parallel.batching import from_u64, unpack_batch
 from evflow.processing.parallel.checkpoint import open_writers_for_append
 from evflow.processing.parallel.common import (
@@ -43,6 +44,7 @@ from evflow.processing.parallel.lazystore import LazyEvent
 from evflow.processing.parallel.persist import decode_persistent, encode_persistent, merge_into
 from evflow.processing.parallel.reorder import SKIP, ReorderBuffer
 from evflow.processing.parallel.rolebus import wait_ms
+from evflow.processing.writer import quarantine_file_for
 from evflow.transport import security
 from evflow.transport.paths import session_dir
 from evflow.transport.shm import ShmViews
@@ -99,11 +101,8 @@ def quarantine_writers(writers: list[Any], file: str | None) -> tuple[list[Any],
     beside its own (``quarantine_file_for``): a quarantined event never breaks a writer.
     The record files open on their first event: a run without any leaves none.
     """
-    from evflow.io.records import RecordOutput
-    from evflow.io.writer import quarantine_file_for
-
     if file:
-        quarantine = RecordOutput(name="quarantine", file=str(file))
+        quarantine = quarantine_writer(str(file), "quarantine")
         return [quarantine], [quarantine]
     raw: list[Any] = []
     extra: list[Any] = []
@@ -112,7 +111,7 @@ def quarantine_writers(writers: list[Any], file: str | None) -> tuple[list[Any],
         if beside is None:
             raw.append(w)
             continue
-        quarantine = RecordOutput(name=f"{w.name}.quarantine", file=beside)
+        quarantine = quarantine_writer(beside, f"{w.name}.quarantine")
         raw.append(quarantine)
         extra.append(quarantine)
     return raw, extra

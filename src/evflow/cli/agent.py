@@ -68,10 +68,9 @@ def _handle(args: argparse.Namespace) -> int:
         format=f"[%(asctime)s][%(levelname)s][{args.host}] %(message)s",
     )
     lost_s = args.controller_lost_s if args.controller_lost_s is not None else CONTROLLER_LOST_S
-    steering = None
-    if args.steering:
-        from evflow.topology.pathworkers import parse_argv
+    extension = None
+    if args.steering:  # a path run's workers on this host
+        from evflow.processing.parallel.pathworkers import PathRunShare, parse_argv
 
-        steering = {"file": args.steering, "argv": parse_argv(args.steering_argv),
-                    "cwd": args.cwd}  # fmt: skip
-    return run_agent(args.bus, args.session, args.host, args.preload, lost_s, steering)
+        extension = PathRunShare(args.steering, parse_argv(args.steering_argv), args.cwd)
+    return run_agent(args.bus, args.session, args.host, args.preload, lost_s, extension)

@@ -29,7 +29,8 @@ import logging
 import os
 import signal
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import zmq
 
@@ -89,6 +90,16 @@ def preflight(topology_session: str) -> dict[str, Any]:
     return {"removed": removed, "live": live}
 
 
+class AgentExtension(Protocol):
+    """What a caller adds to an agent: work before its zygote forks (so that forks share
+    it) and bus commands of its own. A path run's is ``PathRunShare``
+    (processing/parallel/pathworkers.py), handed in by ``evflow agent --steering``."""
+
+    def before_fork(self) -> None: ...
+
+    def handlers(self, agent: Agent) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]: ...
+
+
 class Agent:
     """See the module docstring. ``run()`` returns the exit code."""
 
@@ -101,7 +112,7 @@ class Agent:
         heartbeat_s: float = HEARTBEAT_S,
         controller_lost_s: float = CONTROLLER_LOST_S,
         grace_s: float = 3.0,
-        steering: dict[str, Any] | None = None,
+        extension: AgentExtension | None = None,
     ) -> None:
         self.bus = bus
         self.session = session
@@ -120,7 +131,8 @@ class Agent:
         self._last_controller = time.monotonic()
         self._next_beat = 0.0
         self.client: BusClient | None = None
-        self.steering = steering  # a path run's workers: pathworkers.py
+        #: what the caller adds (a path run's workers: processing/parallel/pathworkers.py)
+        self.extension = extension
 
     # --- commands ------------------------------------------------------------------
     def _spawn(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -262,10 +274,8 @@ class Agent:
             signal.signal(sig, self._on_signal)
         _lap("imports done")
         self.preflight = preflight(self.session)
-        if self.steering:  # the user's modules, in the zygote before it forks workers
-            from evflow.topology.pathworkers import load_split
-
-            load_split(**self.steering)
+        if self.extension is not None:  # e.g. a path run's modules, before the fork
+            self.extension.before_fork()
         # what is loaded now stays out of the collector's way: forked devices then share
         # these pages instead of copying them when the collector walks them
         gc.collect()
@@ -291,12 +301,9 @@ class Agent:
             self.client.handle("shutdown", self._shutdown)
             self.client.handle("stopping", self._stopping)
             self.client.handle("heartbeat", self._heartbeat)
-            if self.steering:
-                from evflow.topology.pathworkers import PathWorkers
-
-                workers = PathWorkers(self)
-                self.client.handle("spawn-workers", workers.spawn)
-                self.client.handle("kill-worker", workers.kill)
+            if self.extension is not None:
+                for command, handler in self.extension.handlers(self).items():
+                    self.client.handle(command, handler)
             self._loop()
         finally:
             self.sup.shutdown(fast=self._signals > 1 or self._kill)
@@ -380,7 +387,7 @@ def run_agent(
     host: str,
     preload: list[str] | tuple[str, ...] = (),
     controller_lost_s: float = CONTROLLER_LOST_S,
-    steering: dict[str, Any] | None = None,
+    extension: AgentExtension | None = None,
 ) -> int:
     """``evflow agent``: import the device modules, then run the agent until told to stop."""
     from evflow.transport.farmkeys import ENV_KEYS
@@ -399,5 +406,5 @@ def run_agent(
         from evflow.transport.farmkeys import preload_farm_keys
 
         preload_farm_keys()  # before the zygote forks: each device inherits the keys
-    agent = Agent(bus, session, host, controller_lost_s=controller_lost_s, steering=steering)
+    agent = Agent(bus, session, host, controller_lost_s=controller_lost_s, extension=extension)
     return agent.run()

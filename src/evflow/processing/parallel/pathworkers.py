@@ -1,7 +1,8 @@
 """An agent's share of a path run across hosts: the workers placed on its host.
 
-``evflow agent ... --steering FILE [--steering-argv JSON] [--cwd DIR]`` loads the
-steering file before the agent's zygote forks (:func:`load_split`): the file runs as
+``evflow agent ... --steering FILE [--steering-argv JSON] [--cwd DIR]`` hands the agent
+a :class:`PathRunShare` (the agent, in topology/, knows nothing of path runs): it loads
+the steering file before the agent's zygote forks (:func:`load_split`): the file runs as
 ``__main__`` with ``workers=1``, and its first parallel ``evflow.process`` call hands
 over its split path instead of running (``tcpwire.SplitCaptured``). The hosts share
 the controller's filesystem (the file, its modules and its data paths must be at the
@@ -24,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from collections.abc import Callable
 from typing import Any
 
 from evflow.errors import ConfigurationError, SteeringError
@@ -112,6 +114,21 @@ class PathWorkers:
         if proc is not None and proc.state == "running" and proc.pid:
             os.kill(proc.pid, signal.SIGKILL)
         return {"node_id": self.agent.node_id}
+
+
+class PathRunShare:
+    """What an agent does for a path run (its extension): load the steering file
+    before its zygote forks, then answer ``spawn-workers`` and ``kill-worker``."""
+
+    def __init__(self, file: str, argv: list[str], cwd: str | None) -> None:
+        self.file, self.argv, self.cwd = file, argv, cwd
+
+    def before_fork(self) -> None:
+        load_split(self.file, self.argv, self.cwd)
+
+    def handlers(self, agent: Any) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
+        workers = PathWorkers(agent)
+        return {"spawn-workers": workers.spawn, "kill-worker": workers.kill}
 
 
 def parse_argv(text: str | None) -> list[str]:

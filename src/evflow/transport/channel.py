@@ -64,6 +64,8 @@ __all__ = [
 
 log = logging.getLogger("evflow.channel")
 
+_SNDMORE = int(zmq.SNDMORE)
+
 
 @dataclass(frozen=True)
 class ChannelStats:
@@ -137,7 +139,9 @@ class Channel:
         """Send one multipart message; frames of 64 kB and more go zero-copy."""
         send = self.socket.send
         last = len(frames) - 1
-        more = flags | zmq.SNDMORE
+        # plain ints: or-ing pyzmq's flag enums builds a new enum member per message
+        flags = int(flags)
+        more = flags | _SNDMORE
         nbytes = 0
         for i, f in enumerate(frames):
             if type(f) is OutMessage:
@@ -178,20 +182,17 @@ class Channel:
         (cheap for small frames, and what the decoder wants); payload frames come as
         ``zmq.Frame`` without a copy (on a raw channel, every frame but the identity).
         """
-        sock = self.socket
-        getsockopt = sock.getsockopt
-        first: Any = sock.recv(flags, copy=self._copy_frames > 0)
-        frames: list[Any] = [first]
-        nbytes = len(first)
-        copied = 1
-        while getsockopt(zmq.RCVMORE):
-            if copied < self._copy_frames:
-                f: Any = sock.recv()
-                copied += 1
-            else:
-                f = sock.recv(copy=False)
-            frames.append(f)
-            nbytes += len(f)
+        # every frame as a zmq.Frame, whose ``more`` says if another follows: half the
+        # cost of asking the socket for RCVMORE after each one (an enum per call)
+        recv = self.socket.recv
+        n_bytes = self._copy_frames
+        frame = recv(flags, copy=False)
+        frames: list[Any] = [frame.bytes if n_bytes > 0 else frame]
+        nbytes = len(frame)
+        while frame.more:
+            frame = recv(copy=False)
+            frames.append(frame.bytes if len(frames) < n_bytes else frame)
+            nbytes += len(frame)
         self.messages_in += 1
         self.bytes_in += nbytes
         return frames

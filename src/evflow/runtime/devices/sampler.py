@@ -76,6 +76,11 @@ class Sampler(Device):
         self._sent = [self._record.counts[i] for i in range(len(self._outs))]
         self._next = sum(self._sent) // self.batch % len(self._outs)
         self._total = self.max_iterations * self.batch
+        self._sent_total = sum(self._sent)
+        # read once: a parameter read per message is a descriptor call per message
+        self._per_run = int(self.batch)
+        self._zero_copy = bool(self.zero_copy)
+        self._as_batch = [self._per_run > 1 and isinstance(ch, ShmChannel) for ch in self._outs]
         self.acked = 0
 
     @property
@@ -88,7 +93,7 @@ class Sampler(Device):
         self._cpu0 = time.process_time()
 
     def _message(self, i: int) -> list[Any]:
-        if not self.zero_copy:
+        if not self._zero_copy:
             return self._frames[i]
         # a new buffer per message, filled in place, sent without a copy
         out = self._outs[i]
@@ -100,21 +105,22 @@ class Sampler(Device):
 
     def _count(self, i: int, n: int) -> None:
         self._sent[i] += n
+        self._sent_total += n
         self._record.counts[i] = self._sent[i]
 
     def conditional_run(self) -> bool:
-        if self._total and self.sent >= self._total:
+        if self._total and self._sent_total >= self._total:
             return False  # a restart after its dead process had sent them all
         i = self._next
         out = self._outs[i]
         # waits for a peer, but not past a stop request (a sink that never came)
-        if self.batch > 1 and isinstance(out, ShmChannel):
-            batch = [self._message(i) for _ in range(self.batch)]
+        if self._as_batch[i]:
+            batch = [self._message(i) for _ in range(self._per_run)]
             if not send_when_ready(self, out, batch, many=True):
                 return False
             self._count(i, len(batch))
         else:
-            for _ in range(self.batch):
+            for _ in range(self._per_run):
                 if not send_when_ready(self, out, self._message(i)):
                     return False
                 self._count(i, 1)

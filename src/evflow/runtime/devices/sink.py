@@ -172,7 +172,10 @@ class Sink(EndTracker, Device):
 
 def read_all(frame: object) -> int:
     """Every byte of ``frame`` read: the xor of its 64-bit words (and its last bytes)."""
-    data = np.asarray(frame) if hasattr(frame, "__array__") else np.frombuffer(frame, np.uint8)  # type: ignore[call-overload]
+    try:  # bytes, memoryview, zmq.Frame, a contiguous array: its bytes without a copy
+        data = np.frombuffer(frame, np.uint8)  # type: ignore[call-overload]
+    except (TypeError, ValueError):  # an array that is not one contiguous buffer
+        data = np.ascontiguousarray(frame).reshape(-1).view(np.uint8)
     n = len(data) - len(data) % 8
     out = int(np.bitwise_xor.reduce(data[:n].view(np.uint64))) if n else 0
     for b in data[n:].tolist():

@@ -183,7 +183,7 @@ def data_loop(dev: Device) -> None:
         ready += [s for s in waiting if s not in ready]
         for sock in ready:
             ch, handler, bad, origin, views = targets[sock]
-            router = ch.type == "router"
+            router, rep = ch.type == "router", ch.type == "rep"
             decode = decoders[sock]
             for _ in range(DRAIN_BATCH):
                 try:
@@ -199,17 +199,20 @@ def data_loop(dev: Device) -> None:
                     frames = frames[1:]
                 msg = decode(frames)
                 if msg is None:
-                    if ch.type == "rep":  # REP must answer before it can receive again
+                    if rep:  # REP must answer before it can receive again
                         ch.send(encode_message(MsgType.REPLY, {"error": "bad message"}))
                     refused_at = time.monotonic()
                     refused_raw = ch if looks_raw(frames) else None
                     continue
                 refused_at = 0.0
                 dev.iterations += 1
-                sent_before = ch.messages_out
-                result = handler(msg, origin)
-                if ch.type == "rep" and ch.messages_out == sent_before:
-                    ch.send(encode_message(MsgType.ACK))  # the handler did not answer
+                if rep:
+                    sent_before = ch.messages_out
+                    result = handler(msg, origin)
+                    if ch.messages_out == sent_before:
+                        ch.send(encode_message(MsgType.ACK))  # the handler did not answer
+                else:
+                    result = handler(msg, origin)
                 if result is False or (limit and dev.iterations >= limit):
                     dev._loop_stop = True
                     break

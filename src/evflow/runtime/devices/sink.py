@@ -63,6 +63,7 @@ class Sink(EndTracker, Device):
         self._needed = self.inputs or len(self.channel_list(self.channel_name))
         self._needed -= len(self.lost_peers)
         self._raw = any(ch.raw for ch in self.channel_list(self.channel_name))
+        self._read = bool(self.read_payload)  # (a parameter read is a descriptor call)
         # shm: payloads counted in place, the region's chunk released with the message
         self.on_data(self.channel_name, self._handle, views=True)
 
@@ -75,7 +76,7 @@ class Sink(EndTracker, Device):
             self.record.counts[0] = self.received  # a SIGKILL loses no count
             for frame in msg.payload:
                 self.payload_bytes += len(frame)
-                if self.read_payload:
+                if self._read:
                     self.checksum ^= read_all(frame)
             if origin.channel.raw:  # no END will come: this one may be the last
                 self._t_last = time.monotonic()

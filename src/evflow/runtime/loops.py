@@ -32,6 +32,8 @@ from evflow.runtime.framing import decoder, looks_raw, raw_hint
 from evflow.transport.channel import Channel
 from evflow.wire.messages import BadMessageCounter, Message, MsgType, encode_message
 
+#: zmq.NOBLOCK as a plain int (pyzmq's flag enums cost a conversion per use)
+_NOBLOCK = int(zmq.NOBLOCK)
 #: how long the loops block before looking at flags and timers (ms)
 POLL_INTERVAL_MS = 100
 #: messages taken from one socket before the others get a turn
@@ -109,7 +111,7 @@ def send_when_ready(
     """
     send = ch.send_many if many else ch.send
     try:
-        send(frames, zmq.NOBLOCK)  # the common case: one call, no poll
+        send(frames, _NOBLOCK)  # the common case: one call, no poll
         return True
     except zmq.Again:
         pass  # (libzmq takes a multipart message whole or not at all)
@@ -126,7 +128,7 @@ def send_when_ready(
         dev._tick()
         if ch.socket.poll(wait_ms, zmq.POLLOUT):
             try:
-                send(frames, zmq.NOBLOCK)
+                send(frames, _NOBLOCK)
                 return True
             except zmq.Again:
                 continue  # another sender took the room first
@@ -160,7 +162,7 @@ def data_loop(dev: Device) -> None:
     # raw channels: FairMQ's bare frames are the data; the others warn once about them
     decoders = {sock: decoder(t[0], t[2]) for sock, t in targets.items()}
     limit = dev.max_iterations
-    noblock = zmq.NOBLOCK
+    noblock = _NOBLOCK
     # refused messages never count towards the limit: give up after a quiet spell
     quiet_s = float(getattr(dev, "refused_timeout_s", REFUSED_TIMEOUT_S)) if limit else 0.0
     refused_at = 0.0  # when the last message arrived, if it was refused (else 0)

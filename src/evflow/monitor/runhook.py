@@ -1,15 +1,17 @@
 """How ``evflow run --dashboard/--report`` reaches the parent of a parallel run.
 
 The command line records a :class:`RunMonitor` request (:func:`request`), which
-installs :func:`on_bus` and :func:`on_end` as the run hooks of ``processing/runhooks.py``:
-the parallel engine, which owns the run's bus, calls the first once the bus is up and
-the second when the roles have exited. With no request nothing is installed, so the
-engine needs no option of its own and processing does not import monitor. A topology controller
-(``evflow up``) calls :func:`evflow.monitor.web.start_dashboard` directly instead.
+installs :func:`on_bus` (bound to the request) and :func:`on_end` as the run hooks of
+``processing/runhooks.py``: the parallel engine, which owns the run's bus, calls the
+first once the bus is up and the second when the roles have exited. With no request
+nothing is installed, so the engine needs no option of its own and processing does not
+import monitor. A topology controller (``evflow up``) calls
+:func:`evflow.monitor.web.start_dashboard` directly instead.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import time
@@ -46,7 +48,6 @@ class ActiveMonitor:
     collector: BusCollector | None = None
 
 
-_requested: RunMonitor | None = None
 #: the monitors of the runs so far (the report and tests read them)
 used: list[ActiveMonitor] = []
 
@@ -59,7 +60,6 @@ def request(monitor: RunMonitor | None) -> None:
     clock. The run binds it again when its bus is up: a socket bound here would be
     inherited by the zygote and every worker forked from it.
     """
-    global _requested
     release()
     used.clear()
     if monitor is not None and monitor.port is not None:
@@ -67,22 +67,19 @@ def request(monitor: RunMonitor | None) -> None:
 
         if monitor.port != "auto":
             bind_socket(monitor.host, monitor.port).close()
-    _requested = monitor
-    runhooks.install(RunHooks(on_bus, on_end) if monitor is not None else None)
+    if monitor is not None:
+        runhooks.install(RunHooks(functools.partial(on_bus, monitor), on_end))
 
 
 def release() -> None:
     """No more monitoring for later runs (``used`` is kept)."""
-    global _requested
-    _requested = None
     runhooks.install(None)
 
 
-def on_bus(endpoints: BusEndpoints, info: Callable[[], dict[str, Any]]) -> ActiveMonitor | None:
+def on_bus(
+    req: RunMonitor, endpoints: BusEndpoints, info: Callable[[], dict[str, Any]]
+) -> ActiveMonitor:
     """The run's bus is up: start the collector (and the dashboard when asked)."""
-    req = _requested
-    if req is None:
-        return None
     store = MetricsStore()
     base_info = {"title": req.title}
 

@@ -9,7 +9,7 @@ processing (and hlt) never import ``io``.
 
 from __future__ import annotations
 
-import importlib
+import pkgutil
 from typing import Any
 
 from evflow.processing.module import Module, Source
@@ -38,34 +38,29 @@ OUTPUT_WRITERS: dict[str, str] = {
 QUARANTINE_WRITER = "evflow.io.records:RecordOutput"
 
 
-def _module(target: str, **params: Any) -> Any:
-    module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)(**params)
-
-
-def _by_extension(table: dict[str, str], file: str) -> str:
+def _extension(table: dict[str, str], file: str) -> str:
+    """The key of ``table`` that ``file`` ends with ("" when none does)."""
     lower = file.lower()
-    return next((t for ext, t in table.items() if ext and lower.endswith(ext)), table[""])
+    return next((ext for ext in table if ext and lower.endswith(ext)), "")
 
 
 def file_source(file: str, tree: str = "events", branches: list[str] | None = None) -> Source:
     """The source that reads ``file``: a ROOT file's ``tree`` (``branches``: None for
     all), or an evflow record file."""
-    target = _by_extension(INPUT_READERS, file)
-    if target == INPUT_READERS.get(".root"):
-        source: Source = _module(target, file=file, tree=tree, branches=branches)
-    else:
-        source = _module(target, file=file)
+    ext = _extension(INPUT_READERS, file)
+    params: dict[str, Any] = {"tree": tree, "branches": branches} if ext == ".root" else {}
+    source: Source = pkgutil.resolve_name(INPUT_READERS[ext])(file=file, **params)
     return source
 
 
 def output_writer(file: str, name: str = "output") -> Module:
     """The writer of ``file``, chosen by its extension (``OUTPUT_WRITERS``)."""
-    writer: Module = _module(_by_extension(OUTPUT_WRITERS, file), name=name, file=file)
+    cls = pkgutil.resolve_name(OUTPUT_WRITERS[_extension(OUTPUT_WRITERS, file)])
+    writer: Module = cls(name=name, file=file)
     return writer
 
 
 def quarantine_writer(file: str, name: str) -> Module:
     """A record file that takes quarantined events raw (``QUARANTINE_WRITER``)."""
-    writer: Module = _module(QUARANTINE_WRITER, name=name, file=file)
+    writer: Module = pkgutil.resolve_name(QUARANTINE_WRITER)(name=name, file=file)
     return writer

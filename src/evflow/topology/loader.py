@@ -10,7 +10,7 @@ them in order, so that none of them imports another back.
 from __future__ import annotations
 
 import dataclasses
-import importlib
+import pkgutil
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
@@ -32,11 +32,6 @@ Expansion = Callable[
     [Any, dict[str, DeviceSpec], dict[str, CollectionSpec], dict[str, HostSpec], str],
     dict[str, DeviceSpec],
 ]
-
-
-def load_expansion(target: str) -> Expansion:
-    module, _, name = target.partition(":")
-    return cast(Expansion, getattr(importlib.import_module(module), name))
 
 
 def load_topology(
@@ -71,7 +66,7 @@ def parse_topology(
     spec = build_spec(data, source=source, default_name=default_name, hosts=hosts)
     for table, target in EXPANSIONS.items():
         if table in data:
-            expand = load_expansion(target)
+            expand = cast(Expansion, pkgutil.resolve_name(target))
             devices = expand(data[table], spec.devices, spec.collections, spec.hosts, source)
             spec = dataclasses.replace(spec, devices=devices)
     checks.check_hosts(spec)

@@ -86,7 +86,7 @@ class Sampler(Device):
     @property
     def sent(self) -> int:
         """Messages sent (on all sub-channels)."""
-        return sum(getattr(self, "_sent", ()))
+        return getattr(self, "_sent_total", 0)
 
     def pre_run(self) -> None:
         self._t0 = time.monotonic()

@@ -463,9 +463,14 @@ class EndTracker:
             return
         self.unended.add(peer_id)
         log.error("%s: %s ended, but its END never reached this device", dev.id, peer_id)
+        self._one_end_less()
+
+    def _one_end_less(self) -> None:
+        """One END fewer to wait for: end the loop if every other one came."""
         if hasattr(self, "_needed"):
             self._needed -= 1
             if self.ends >= self._needed:
+                dev: Any = self
                 dev._loop_stop = True
 
     def check_unended(self, kind: str) -> None:
@@ -489,10 +494,7 @@ class EndTracker:
             return
         self.lost_peers.add(peer_id)
         log.warning("%s: peer %s was lost; not waiting for its END", dev.id, peer_id)
-        if hasattr(self, "_needed"):
-            self._needed -= 1
-            if self.ends >= self._needed:
-                dev._loop_stop = True
+        self._one_end_less()
 
 
 def count_mismatch(kind: str, dev_id: str, got: int, announced: int, record: StreamRecord) -> str:

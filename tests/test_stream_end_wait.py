@@ -27,6 +27,7 @@ from _proc import finish, read_stats, start_device
 from evflow.runtime.device import Device
 from evflow.runtime.devices.stream import end_and_wait
 from evflow.transport.channel import ChannelConfig
+from evflow.transport.coalesce import messages_of
 from evflow.wire.messages import MsgType, decode_message, encode_message
 
 #: END copies a late receiver waits for before it answers (or leaves): the first END
@@ -67,12 +68,13 @@ class Peer:
                 continue
             frames = self.data.recv_multipart()
             ident = frames.pop(0) if self.wiring == "dealer" else None
-            msg = decode_message(frames)
-            if msg.type is MsgType.EVENTS:
-                self.messages += 1
-            elif msg.type is MsgType.END:
-                self.ends += 1
-                self._last = (ident, str(msg.header["from"]))
+            for message in messages_of(frames):  # (the sampler batches on push)
+                msg = decode_message(message)
+                if msg.type is MsgType.EVENTS:
+                    self.messages += 1
+                elif msg.type is MsgType.END:
+                    self.ends += 1
+                    self._last = (ident, str(msg.header["from"]))
 
     def answer(self) -> None:
         assert self._last is not None

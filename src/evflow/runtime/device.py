@@ -44,6 +44,7 @@ from evflow.runtime.framing import outgoing
 from evflow.runtime.loops import (
     DRAIN_BATCH,
     POLL_INTERVAL_MS,
+    BatchHandler,
     Handler,
     Origin,
     conditional_loop,
@@ -60,6 +61,8 @@ from evflow.runtime.states import (
 from evflow.transport.channel import Channel, ChannelConfig
 from evflow.transport.opening import open_channel
 from evflow.wire.messages import BadMessageCounter, MsgType
+
+_NOBLOCK = int(zmq.NOBLOCK)
 
 __all__ = ["BIDIRECTIONAL", "DRAIN_BATCH", "POLL_INTERVAL_MS", "Device", "Handler", "Origin"]
 
@@ -80,6 +83,11 @@ class Device:
 
     #: one-line description shown by ``evflow device CLASS --help``
     description: ClassVar[str] = ""
+    #: batching of this device's push/pair channels whose config leaves ``batchUs`` at
+    #: -1 (microseconds; 0 = off). Safe for a device whose sends happen in its loops'
+    #: hooks and handlers (the loops flush before they wait); a device that sends and
+    #: then blocks on its own receive must keep 0 or :meth:`flush_channels` first
+    default_batch_us: ClassVar[int] = 0
 
     def __init__(
         self,
@@ -107,6 +115,7 @@ class Device:
         self.channels: dict[str, list[Channel]] = {}
         self.fsm = StateMachine(self.id)
         self._handlers: dict[str, Handler] = {}
+        self._batch_handlers: dict[str, BatchHandler] = {}
         self._views: set[str] = set()  # on_data(views=True)
         self._requests: queue.SimpleQueue[Transition] = queue.SimpleQueue()
         self._loop_stop = False
@@ -182,15 +191,32 @@ class Device:
         """Undo ``init``; the channels are closed right after this."""
 
     # --- API for subclasses ------------------------------------------------------------
-    def on_data(self, channel: str, handler: Handler, *, views: bool = False) -> None:
+    def on_data(
+        self,
+        channel: str,
+        handler: Handler,
+        *,
+        views: bool = False,
+        batch: BatchHandler | None = None,
+    ) -> None:
         """Call ``handler(message, origin)`` for each message on every sub-channel of
         ``channel``; a handler returning False stops the RUNNING loop.
 
         ``views``: on a ``transport=shm`` channel, payload frames that came through
         shared memory are read in place (``InMessage``, see ``shm_channel``); the
         region's chunk goes back when the message is released or dropped.
+
+        ``batch``: ``batch(messages, origin)`` takes the decoded messages of one batch
+        at once (those a sender packed together, one or more) instead of ``handler``
+        one by one: a loop per batch, not per message. It is used on push/pull/pair
+        channels of a device without ``max_iterations`` (which counts exactly, message
+        by message); elsewhere ``handler`` is.
         """
         self._handlers[channel] = handler
+        if batch is not None:
+            self._batch_handlers[channel] = batch
+        else:
+            self._batch_handlers.pop(channel, None)
         if views:
             self._views.add(channel)
         else:
@@ -359,6 +385,8 @@ class Device:
             if is_bind != binding:
                 continue
             ch = open_channel(self.context, cfg, self.session, index)
+            if cfg.batchUs < 0 and self.default_batch_us > 0:
+                ch.set_batching(self.default_batch_us)
             subs = self.channels.setdefault(cfg.name, [])
             subs.append(ch)
             subs.sort(key=lambda c: c.index)
@@ -448,6 +476,19 @@ class Device:
             "iterations": self.iterations,
             **channel_metrics(self.all_channels(), self.bad_messages),
         }
+
+    def flush_channels(self) -> bool:
+        """Send every batch still held (without blocking); False if a peer could not
+        take one yet (it stays held and goes at the next flush)."""
+        done = True
+        for subs in self.channels.values():
+            for ch in subs:
+                if ch.held and not ch.closed:
+                    try:
+                        ch.flush(_NOBLOCK)
+                    except zmq.Again:
+                        done = False
+        return done
 
     def all_channels(self) -> list[Channel]:
         """Every channel and sub-channel (closed ones too, for their counters)."""

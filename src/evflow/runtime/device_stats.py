@@ -29,6 +29,10 @@ def channel_metrics(
             "rcv_hwm": ch.config.rcvBufSize,
             "snd_hwm": ch.config.sndBufSize,
         }
+        if ch.batch_us or ch.batches_in:  # ZeroMQ messages that carried several
+            per_channel[ch.label]["batch_us"] = ch.batch_us
+            per_channel[ch.label]["batches_out"] = ch.batches_out
+            per_channel[ch.label]["batches_in"] = ch.batches_in
         shm = getattr(ch, "shm_metrics", None)
         if shm is not None:  # transport=shm: bytes above include the region's
             per_channel[ch.label]["shm"] = shm()

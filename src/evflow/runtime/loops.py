@@ -8,6 +8,10 @@ flag is set, when a hook or handler returns False, or after ``max_iterations``. 
 the device's own code, moved here to keep the state-machine driver short, and so read
 its private flags.
 
+Channels that batch (``Channel.batch_us``) hold small data messages back; the loops
+flush them (``flush_channels``) before they block or sleep, and when they end, so a
+message waits for company only while the device is busy.
+
 Refused messages (malformed, or FairMQ's bare frames on a channel without
 ``framing=raw``) are counted as bad messages and never count towards
 ``max_iterations``. So that a count they can never reach does not leave a device
@@ -36,6 +40,8 @@ from evflow.wire.messages import BadMessageCounter, Message, MsgType, encode_mes
 _NOBLOCK = int(zmq.NOBLOCK)
 #: how long the loops block before looking at flags and timers (ms)
 POLL_INTERVAL_MS = 100
+#: ... and while a batch is held that its peer could not take yet (ms)
+HELD_RETRY_MS = 5
 #: messages taken from one socket before the others get a turn
 DRAIN_BATCH = 256
 #: with max_iterations: how long a device whose last message was refused waits for
@@ -53,6 +59,8 @@ class Origin:
 
 
 Handler = Callable[[Message, Origin], "bool | None"]
+#: takes the messages of one received batch at once (``Device.on_data(batch=...)``)
+BatchHandler = Callable[[list[Message], Origin], "bool | None"]
 
 
 class Device(Protocol):
@@ -60,6 +68,7 @@ class Device(Protocol):
     that this module does not import the device module that imports it)."""
 
     _handlers: dict[str, Handler]
+    _batch_handlers: dict[str, BatchHandler]
     _views: set[str]
     _loop_stop: bool
     iterations: int
@@ -68,6 +77,8 @@ class Device(Protocol):
     bad_messages: dict[str, BadMessageCounter]
 
     def channel_list(self, name: str) -> list[Channel]: ...
+    def all_channels(self) -> list[Channel]: ...
+    def flush_channels(self) -> bool: ...
     def conditional_run(self) -> bool: ...
     def _tick(self, now_s: float | None = None) -> None: ...
 
@@ -78,6 +89,7 @@ def conditional_loop(dev: Device) -> None:
     limit = dev.max_iterations
     next_s = time.monotonic()
     run = dev.conditional_run
+    batching = any(ch.batch_us for ch in dev.all_channels())
     while not dev._loop_stop:
         if not run():
             break
@@ -86,9 +98,13 @@ def conditional_loop(dev: Device) -> None:
             break
         if period_s:
             next_s += period_s
+            if batching:
+                dev.flush_channels()
             _sleep_until(dev, next_s)
         else:
             dev._tick()
+    if batching:
+        dev.flush_channels()
 
 
 def send_when_ready(
@@ -154,22 +170,45 @@ def data_loop(dev: Device) -> None:
     """Poll the channels that have ``on_data`` handlers and hand each message over."""
     poller = zmq.Poller()
     targets: dict[Any, tuple[Channel, Handler, BadMessageCounter, Origin, bool]] = {}
+    limit = dev.max_iterations
+    batched: dict[Any, BatchHandler] = {}  # sockets whose batches go to a batch handler
     for name, handler in dev._handlers.items():
         views = name in dev._views
         for ch in dev.channel_list(name):
             poller.register(ch.socket, zmq.POLLIN)
             targets[ch.socket] = (ch, handler, dev.bad_messages[ch.label], Origin(ch), views)
+            on_batch = dev._batch_handlers.get(name)
+            if on_batch is not None and not limit and ch.type in ("pull", "pair", "sub"):
+                batched[ch.socket] = on_batch
     # raw channels: FairMQ's bare frames are the data; the others warn once about them
     decoders = {sock: decoder(t[0], t[2]) for sock, t in targets.items()}
-    limit = dev.max_iterations
-    noblock = _NOBLOCK
     # refused messages never count towards the limit: give up after a quiet spell
     quiet_s = float(getattr(dev, "refused_timeout_s", REFUSED_TIMEOUT_S)) if limit else 0.0
-    refused_at = 0.0  # when the last message arrived, if it was refused (else 0)
-    refused_raw: Channel | None = None  # where it arrived, if it looked raw (FairMQ)
     # a shm channel keeps the rest of a batch (send_many) after a recv: the socket has
     # nothing more to say about those messages, so they are looked for here
     sockets = list(targets)
+    batching = any(ch.batch_us for ch in dev.all_channels())
+    try:
+        _drain(dev, poller, targets, decoders, batched, sockets, limit, quiet_s, batching)
+    finally:
+        if batching:
+            dev.flush_channels()
+
+
+def _drain(
+    dev: Device,
+    poller: zmq.Poller,
+    targets: dict[Any, tuple[Channel, Handler, BadMessageCounter, Origin, bool]],
+    decoders: dict[Any, Any],
+    batched: dict[Any, BatchHandler],
+    sockets: list[Any],
+    limit: int,
+    quiet_s: float,
+    batching: bool,
+) -> None:
+    noblock = _NOBLOCK
+    refused_at = 0.0  # when the last message arrived, if it was refused (else 0)
+    refused_raw: Channel | None = None  # where it arrived, if it looked raw (FairMQ)
     while not dev._loop_stop:
         dev._tick()
         if refused_at and quiet_s > 0 and time.monotonic() - refused_at >= quiet_s:
@@ -181,12 +220,40 @@ def data_loop(dev: Device) -> None:
                 + (f"; {raw_hint(refused_raw)}" if refused_raw is not None else "")
             )
         waiting = [s for s in sockets if targets[s][0].pending]
-        ready = [s for s, _ in poller.poll(0 if waiting else POLL_INTERVAL_MS)]
+        if waiting:
+            ready = [s for s, _ in poller.poll(0)]
+        elif batching and any(ch.held for ch in dev.all_channels()):
+            # about to wait: what is held goes first, unless more input is here already
+            ready = [s for s, _ in poller.poll(0)]
+            if not ready:
+                wait_ms = POLL_INTERVAL_MS if dev.flush_channels() else HELD_RETRY_MS
+                ready = [s for s, _ in poller.poll(wait_ms)]
+        else:
+            ready = [s for s, _ in poller.poll(POLL_INTERVAL_MS)]
         ready += [s for s in waiting if s not in ready]
         for sock in ready:
             ch, handler, bad, origin, views = targets[sock]
             router, rep = ch.type == "router", ch.type == "rep"
             decode = decoders[sock]
+            on_batch = batched.get(sock)
+            if on_batch is not None:
+                for _ in range(DRAIN_BATCH):
+                    try:
+                        got = ch.recv_many(noblock, views=views)
+                    except zmq.Again:
+                        break
+                    # (refused ones are counted by the decoder; without max_iterations
+                    # there is no count for them to stall)
+                    msgs = [m for m in map(decode, got) if m is not None]
+                    if not msgs:
+                        continue
+                    dev.iterations += len(msgs)
+                    if on_batch(msgs, origin) is False:
+                        dev._loop_stop = True
+                        break
+                if dev._loop_stop:
+                    break
+                continue
             for _ in range(DRAIN_BATCH):
                 try:
                     frames = ch.recv(noblock, views=True) if views else ch.recv(noblock)

@@ -62,6 +62,11 @@ class ChannelConfig:
     file), ``curveServerKey`` (a client's: the server's ``.key`` file) and
     ``curveAllow`` (a server's: directory of allowed clients' ``.key`` files; default
     the secret key's directory). See :mod:`evflow.transport.curve`.
+
+    ``batchUs`` (microseconds; 0 = off, -1 = the device's default: on for the built-in
+    devices) and ``batchBytes``: small data messages of a push or pair channel go
+    together in one ZeroMQ message, flushed at ``batchBytes`` or after ``batchUs``
+    (:class:`~evflow.transport.channel.Channel`).
     """
 
     name: str
@@ -82,6 +87,8 @@ class ChannelConfig:
     curveServerKey: str = ""
     curveAllow: str = ""
     shmSize: int = 64 << 20  # bytes of a sending shm channel's ring
+    batchUs: int = -1  # hold small data messages this long for a batch (-1: device's choice)
+    batchBytes: int = 65536  # ... and send a batch once it holds this much
 
     def __post_init__(self) -> None:
         validate(self)
@@ -92,7 +99,8 @@ class ChannelConfig:
 
 
 _KEYS = {f.name: f for f in fields(ChannelConfig)}
-#: FairMQ's socket options (integers): the keys a topology file's channel passes through
+#: FairMQ's socket options and evflow's batching keys (integers): the keys a topology
+#: file's channel passes through
 SOCKET_OPTIONS = (
     "sndBufSize",
     "rcvBufSize",
@@ -100,6 +108,8 @@ SOCKET_OPTIONS = (
     "rcvKernelSize",
     "linger",
     "rateLogging",
+    "batchUs",
+    "batchBytes",
 )
 _INT_KEYS = (*SOCKET_OPTIONS, "shmSize")
 
@@ -125,7 +135,7 @@ def validate(cfg: ChannelConfig) -> None:
         raise _bad(name, "type", cfg.type, "push | pull | pair with transport shm")
     for key in _INT_KEYS:
         value = getattr(cfg, key)
-        low = -1 if key == "linger" else 0
+        low = -1 if key in ("linger", "batchUs") else 0
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise _bad(name, key, value, f"an integer >= {low}")
     if not isinstance(cfg.autoBind, bool):

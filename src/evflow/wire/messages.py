@@ -75,6 +75,7 @@ class MsgType(IntEnum):
 _BY_BYTE: dict[int, MsgType] = {int(t): t for t in MsgType}
 _TYPE_FRAME: dict[int, bytes] = {int(t): bytes([int(t)]) for t in MsgType}
 _EMPTY_MAP = b"\x80"  # msgpack {}
+_BY_FRAME: dict[bytes, MsgType] = {frame: _BY_BYTE[t] for t, frame in _TYPE_FRAME.items()}
 
 
 _local = threading.local()
@@ -130,6 +131,11 @@ def decode_message(frames: Sequence[Any]) -> Message:
     if len(frames) < 2:
         raise _bad("short", f"message has {len(frames)} frame(s); expected type and header")
     first = frames[0]
+    # the common case, data with an empty header: two dict lookups, no msgpack call
+    if type(first) is bytes and frames[1] == _EMPTY_MAP:
+        mtype = _BY_FRAME.get(first)
+        if mtype is not None:
+            return Message(mtype, {}, frames[2:])
     if type(first) is not bytes:
         try:
             first = bytes(first)

@@ -26,13 +26,14 @@ from evflow.runtime.devices.stream import (
 )
 from evflow.runtime.framing import outgoing
 from evflow.runtime.loops import send_when_ready
-from evflow.transport.channel import Channel
+from evflow.transport.channel import DEFAULT_BATCH_US, Channel
 from evflow.wire.messages import Message, MsgType
 
 log = logging.getLogger("evflow.device")
 
 
 class _Forwarder(EndTracker, Device):
+    default_batch_us = DEFAULT_BATCH_US
     in_channel = Param(str, "data-in", "input channel")
     out_channel = Param(str, "data-out", "output channel (sub-channels for the splitter)")
     inputs = Param(int, 0, "END messages to wait for (0 = one per input sub-channel)")

@@ -96,7 +96,7 @@ def test_a_sampler_connecting_to_nobody_over_tcp_stops_on_the_first_sigint(
     sampler = start_device(
         "sampler", "--id", "tcp-lonely", "--msg-size", "10", "--bus", endpoints,
         *cc(name="data", type="push", method="connect", address=f"tcp://127.0.0.1:{unused_port()}",
-            sndBufSize=50),
+            sndBufSize=50, batchUs=0),  # (batches: 50 in the queue would be 51200 messages)
     )  # fmt: skip
     wait_for_stderr(sampler, "tcp-lonely: RUNNING")
     # the queue is full (its high-water mark): the sampler waits in its send

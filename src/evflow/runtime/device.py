@@ -208,9 +208,9 @@ class Device:
 
         ``batch``: ``batch(messages, origin)`` takes the decoded messages of one batch
         at once (those a sender packed together, one or more) instead of ``handler``
-        one by one: a loop per batch, not per message. It is used on push/pull/pair
-        channels of a device without ``max_iterations`` (which counts exactly, message
-        by message); elsewhere ``handler`` is.
+        one by one: a loop per batch, not per message. It is used on pull, pair and sub
+        channels with evflow framing of a device without ``max_iterations`` (which
+        counts exactly, message by message); elsewhere ``handler`` is.
         """
         self._handlers[channel] = handler
         if batch is not None:

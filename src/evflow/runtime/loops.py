@@ -34,7 +34,13 @@ import zmq
 from evflow.errors import IncompleteStreamError
 from evflow.runtime.framing import decoder, looks_raw, raw_hint
 from evflow.transport.channel import Channel
-from evflow.wire.messages import BadMessageCounter, Message, MsgType, encode_message
+from evflow.wire.messages import (
+    BadMessageCounter,
+    Message,
+    MsgType,
+    decode_fast,
+    encode_message,
+)
 
 #: zmq.NOBLOCK as a plain int (pyzmq's flag enums cost a conversion per use)
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -178,7 +184,8 @@ def data_loop(dev: Device) -> None:
             poller.register(ch.socket, zmq.POLLIN)
             targets[ch.socket] = (ch, handler, dev.bad_messages[ch.label], Origin(ch), views)
             on_batch = dev._batch_handlers.get(name)
-            if on_batch is not None and not limit and ch.type in ("pull", "pair", "sub"):
+            # (raw frames are data whatever they look like: never the fast decode)
+            if on_batch and not limit and not ch.raw and ch.type in ("pull", "pair", "sub"):
                 batched[ch.socket] = on_batch
     # raw channels: FairMQ's bare frames are the data; the others warn once about them
     decoders = {sock: decoder(t[0], t[2]) for sock, t in targets.items()}
@@ -244,7 +251,11 @@ def _drain(
                         break
                     # (refused ones are counted by the decoder; without max_iterations
                     # there is no count for them to stall)
-                    msgs = [m for m in map(decode, got) if m is not None]
+                    msgs = []
+                    for frames in got:
+                        msg = decode_fast(frames) or decode(frames)
+                        if msg is not None:
+                            msgs.append(msg)
                     if not msgs:
                         continue
                     dev.iterations += len(msgs)

@@ -290,11 +290,55 @@ class Channel:
             self.bytes_out += nbytes
 
     def send_many(self, messages: Sequence[Sequence[Any]], flags: int = 0) -> None:
-        """Send several messages. On a ``transport=shm`` channel they go in one ZeroMQ
-        message, all or none; here one after the other, so with ``zmq.NOBLOCK`` a
-        ``zmq.Again`` may come after the first ones went (block, or send one by one)."""
+        """Send several messages. On a batching channel (small data messages) and on a
+        ``transport=shm`` channel all or none; else one after the other, so with
+        ``zmq.NOBLOCK`` a ``zmq.Again`` may come after the first ones went."""
+        flags = int(flags)
+        if self.batch_us and self._hold_many(messages, flags):
+            return
         for frames in messages:
             self.send(frames, flags)
+
+    def _hold_many(self, messages: Sequence[Sequence[Any]], flags: int) -> bool:
+        """Hold ``messages`` all at once if they are small data messages (False, and
+        nothing done, if one is not); ``zmq.Again`` as :meth:`send` raises it."""
+        if len(self._held) + len(messages) > coalesce.MAX_BATCH_MESSAGES:
+            return False
+        sizes = []
+        last: Any = None
+        size = 0
+        limit = self.batch_bytes
+        for frames in messages:
+            if frames is not last:  # (a sampler sends one list again and again)
+                if frames[0] != _DATA_TYPE:
+                    return False
+                size = sum([f.nbytes if type(f) is memoryview else len(f) for f in frames])
+                if size >= limit:
+                    return False
+                last = frames
+            sizes.append(size)
+        if not sizes:
+            return True
+        if self._held_bytes >= limit:
+            self.flush(flags)  # full: room first (zmq.Again: none is taken)
+        held = self._held
+        if not held:
+            if flags & _NOBLOCK and not self.socket.getsockopt(zmq.EVENTS) & _POLLOUT:  # type: ignore[operator]
+                raise zmq.Again()
+            self._held_until = time.monotonic() + self.batch_us * 1e-6
+        held.extend(messages)
+        total = sum(sizes)
+        self._held_bytes += total
+        self.messages_out += len(sizes)
+        self.bytes_out += total
+        if (
+            self._held_bytes >= limit
+            or len(held) >= coalesce.MAX_BATCH_MESSAGES
+            or time.monotonic() >= self._held_until
+        ):
+            with contextlib.suppress(zmq.Again):  # held: they go with the next ones
+                self._flush_held(flags)
+        return True
 
     @property
     def pending(self) -> int:

@@ -89,7 +89,7 @@ class Sampler(Device):
         # unpaced, a batching channel gets a batch's worth of messages per iteration
         # (one loop turn for many messages); paced, one message per period as asked
         self._burst = [
-            max(ch.batch_bytes // max(self.msg_size, 1), 1) - 1
+            min(max(ch.batch_bytes // max(self.msg_size, 1), 1), 1024) - 1
             if ch.batch_us and not self.rate_hz and len(self._outs) == 1
             else 0
             for ch in self._outs
@@ -109,13 +109,13 @@ class Sampler(Device):
         """Send up to ``most`` more copies of ``frames`` while ``out`` takes them at once
         (a batching channel holds them); how many went."""
         most = min(most, self._total - self._sent_total - 1) if self._total else most
-        send = out.send
-        for k in range(most):
-            try:
-                send(frames, _NOBLOCK)
-            except zmq.Again:
-                return k
-        return max(most, 0)
+        if most <= 0:
+            return 0
+        try:
+            out.send_many([frames] * most, _NOBLOCK)  # held all at once, or none
+        except zmq.Again:
+            return 0
+        return most
 
     def _message(self, i: int) -> list[Any]:
         if not self._zero_copy:

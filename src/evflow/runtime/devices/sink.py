@@ -69,7 +69,7 @@ class Sink(EndTracker, Device):
 
     def _handle_batch(self, msgs: list[Message], origin: Origin) -> bool:
         """A batch: its data counted in one loop, anything else one by one."""
-        if self._read or origin.channel.raw:
+        if self._read:
             return all(self._handle(msg, origin) for msg in msgs)  # (stops at a False)
         events = MsgType.EVENTS
         n = nbytes = 0

@@ -273,3 +273,27 @@ def test_a_paced_sampler_and_an_idle_forwarder_hold_nothing_back(tmp_path: Path)
             p.communicate()
         pull.close(0)
         ctx.term()
+
+
+def test_a_router_hands_out_each_message_of_a_batch_with_its_peer_identity(
+    ctx: zmq.Context[Any], tmp_path: Path
+) -> None:
+    """No evflow sender batches towards a router (dealer channels never batch), but
+    what arrives is untrusted: a batch there is unpacked with the identity in front of
+    each message, and a forged one is refused, not cut."""
+    address = f"ipc://{tmp_path}/r"
+    router = open_channel(
+        ctx, ChannelConfig(name="r", type="router", method="bind", address=address), "t"
+    )
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.IDENTITY, b"peer-1")
+    dealer.connect(address)
+    dealer.send_multipart(coalesce.pack([data(1), data(2)]))
+    dealer.send_multipart([coalesce.BATCH_TAG, b"\x05\x00\x00\x00", b"x"])
+    first, second, forged = drain(router, 3)
+    assert [f[0] for f in (first, second)] == [b"peer-1", b"peer-1"]
+    assert [decode_message(f[1:]).header["i"] for f in (first, second)] == [1, 2]
+    assert forged[:2] == [b"peer-1", coalesce.BATCH_TAG]  # as it came: the decoder refuses it
+    assert router.messages_in == 3 and router.batches_in == 1
+    dealer.close(0)
+    router.close(0)

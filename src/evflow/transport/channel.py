@@ -379,7 +379,7 @@ class Channel:
             frames.append(frame.bytes if len(frames) < n_bytes else frame)
             nbytes += len(frame)
         self.bytes_in += nbytes
-        if n_bytes >= 2 and frames[n_bytes - 2] == coalesce.BATCH_TAG:
+        if n_bytes >= 2 and len(frames) >= n_bytes and frames[n_bytes - 2] == coalesce.BATCH_TAG:
             return self._unbatch(frames, n_bytes - 2)
         self.messages_in += 1
         return frames

@@ -297,3 +297,18 @@ def test_a_router_hands_out_each_message_of_a_batch_with_its_peer_identity(
     assert router.messages_in == 3 and router.batches_in == 1
     dealer.close(0)
     router.close(0)
+
+
+def test_held_messages_a_broken_socket_cannot_send_are_dropped_once(
+    ctx: zmq.Context[Any], tmp_path: Path
+) -> None:
+    """A flush that fails for good (not for room) drops what was held, so the device
+    loop's next flush does not retry and log it for ever; the END count reports it."""
+    out, into = pair_of(ctx, tmp_path, batch_us=10**9)
+    out.send(data(1))
+    out.socket.close(0)
+    with pytest.raises(zmq.ZMQError):
+        out.flush()
+    assert out.held == 0
+    out.flush()  # nothing left: no second error
+    into.close(0)

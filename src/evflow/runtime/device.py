@@ -488,6 +488,8 @@ class Device:
                         ch.flush(_NOBLOCK)
                     except zmq.Again:
                         done = False
+                    except zmq.ZMQError as exc:  # (the END count check reports the loss)
+                        log.warning("%s: held messages on %s not sent: %s", self.id, ch.label, exc)
         return done
 
     def all_channels(self) -> list[Channel]:

@@ -253,15 +253,22 @@ class Channel:
 
     def _flush_held(self, flags: int) -> None:
         held = self._held
-        if len(held) == 1:
-            self._send_frames(held[0], flags, count=False)
-        else:
-            try:
-                frames = coalesce.pack(held)
-            except TypeError:  # new_message() buffers: their arrays join
-                frames = coalesce.pack([[_buffer(f) for f in m] for m in held])
-            self._send_frames(frames, flags, count=False, copy_below=BATCH_ZERO_COPY_MIN_B)
-            self.batches_out += 1
+        try:
+            if len(held) == 1:
+                self._send_frames(held[0], flags, count=False)
+            else:
+                try:
+                    frames = coalesce.pack(held)
+                except TypeError:  # new_message() buffers: their arrays join
+                    frames = coalesce.pack([[_buffer(f) for f in m] for m in held])
+                self._send_frames(frames, flags, count=False, copy_below=BATCH_ZERO_COPY_MIN_B)
+                self.batches_out += 1
+        except zmq.Again:
+            raise  # no room yet: they stay held
+        except zmq.ZMQError:
+            held.clear()  # the socket cannot send them (closed, terminated): gone, not retried
+            self._held_bytes = 0
+            raise
         held.clear()
         self._held_bytes = 0
 

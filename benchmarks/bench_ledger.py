@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from evflow.processing.parallel.ledger import Ledger
+from evflow.processing.parallel.input.ledger import Ledger
 
 
 def bare_dict(n: int, batch: int, workers: int) -> float:

@@ -35,7 +35,7 @@ import evflow
 from evflow.io import BusyWork, ToyGenerator
 from evflow.processing.options import ProcessOptions
 from evflow.processing.parallel import run_parallel
-from evflow.processing.parallel.fastpath import ENV_DISABLE
+from evflow.processing.parallel.input.fastpath import ENV_DISABLE
 
 
 def run(n: int, payload: int, work_ms: float, workers: int, transport: str = "zmq") -> Any:

@@ -35,8 +35,8 @@ from evflow.event import FLAG_QUARANTINED
 from evflow.io.generators import BusyWork, ToyGenerator
 from evflow.io.records import RecordOutput, RecordReader, decode_record
 from evflow.processing.faults import FaultInjector
-from evflow.processing.parallel import input as input_role
-from evflow.processing.parallel.ledger import Ledger
+from evflow.processing.parallel.input import input as input_role
+from evflow.processing.parallel.input.ledger import Ledger
 
 
 class NullLedger(Ledger):

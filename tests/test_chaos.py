@@ -30,7 +30,7 @@ from evflow.event import FLAG_QUARANTINED, QUARANTINE_REASON
 from evflow.io.generators import BusyWork, ToyGenerator
 from evflow.io.records import RecordOutput, RecordReader, decode_record
 from evflow.processing.faults import FaultInjector, roll
-from evflow.processing.parallel.checkpoint import CheckpointFile
+from evflow.processing.parallel.input.checkpoint import CheckpointFile
 
 
 def read_flags(file: FsPath) -> dict[int, list[int]]:

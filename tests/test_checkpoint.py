@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from evflow.errors import CheckpointError, ConfigurationError
-from evflow.processing.parallel.checkpoint import (
+from evflow.processing.parallel.input.checkpoint import (
     Checkpoint,
     CheckpointFile,
     CheckpointWriter,
@@ -91,7 +91,7 @@ def test_writer_writes_only_every_interval_and_when_position_moved(tmp_path: Pat
 _CHILD = r"""
 import os, sys, json
 sys.path.insert(0, {src!r})
-from evflow.processing.parallel.checkpoint import Checkpoint, CheckpointFile, encode
+from evflow.processing.parallel.input.checkpoint import Checkpoint, CheckpointFile, encode
 path, naive = sys.argv[1], sys.argv[2] == "naive"
 f = CheckpointFile(path)
 cp = f.load() if os.path.exists(path) else None

@@ -45,7 +45,7 @@ def test_a_result_finishing_just_after_its_timeout_is_written_once() -> None:
     """The basf2 failure ("no matching event backup found", events written twice),
     step by step with a fake clock: the timeout fires, the event is retried on another
     worker, then BOTH results reach the output, in either order."""
-    from evflow.processing.parallel.ledger import Failure, Ledger
+    from evflow.processing.parallel.input.ledger import Failure, Ledger
 
     for late_first in (True, False):
         now = [0.0]

@@ -26,7 +26,7 @@ from evflow.io.records import decode_record
 from evflow.processing.chain import ModuleChain
 from evflow.processing.module import Param, Source
 from evflow.processing.parallel.batching import BatchSizer
-from evflow.processing.parallel.fastpath import (
+from evflow.processing.parallel.input.fastpath import (
     ENV_DISABLE,
     encoded_source,
     fastpath_allowed,

@@ -1,4 +1,4 @@
-"""The input's HELLO check of a worker (processing/parallel/inputworkers.py)."""
+"""The input's HELLO check of a worker (processing/parallel/input/inputworkers.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from evflow.errors import ProtocolError
-from evflow.processing.parallel.inputworkers import WorkersMixin
+from evflow.processing.parallel.input.inputworkers import WorkersMixin
 from evflow.wire.messages import BadMessageCounter, MsgType, encode_message, hello_header
 
 

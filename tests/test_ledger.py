@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from evflow.errors import ConfigurationError, InternalError
-from evflow.processing.parallel.ledger import EntryState, Failure, Ledger
+from evflow.processing.parallel.input.ledger import EntryState, Failure, Ledger
 
 
 class FakeClock:

@@ -26,7 +26,7 @@ from evflow.event import FLAG_QUARANTINED
 from evflow.io.generators import BusyWork, ToyGenerator
 from evflow.io.records import RecordOutput, RecordReader, decode_record
 from evflow.processing.faults import FaultInjector
-from evflow.processing.parallel.checkpoint import Checkpoint, CheckpointFile
+from evflow.processing.parallel.input.checkpoint import Checkpoint, CheckpointFile
 from evflow.processing.parallel.reorder import SKIP, ReorderBuffer
 
 N_EVENTS = 4000
@@ -234,7 +234,7 @@ def test_an_inconsistent_numbering_is_a_clear_error() -> None:
 
 
 def test_ledger_first_unconfirmed_is_exact_in_a_partly_confirmed_batch() -> None:
-    from evflow.processing.parallel.ledger import Ledger
+    from evflow.processing.parallel.input.ledger import Ledger
 
     ledger = Ledger()
     ledger.add_lists([10, 11, 12], [100, 101, 103], [(), (), ()], "w0")
@@ -248,7 +248,7 @@ def test_ledger_first_unconfirmed_is_exact_in_a_partly_confirmed_batch() -> None
 
 
 def test_resume_of_an_ordered_checkpoint_continues_its_numbering(tmp_path: FsPath) -> None:
-    from evflow.processing.parallel.checkpoint import Checkpoint, checkpoint_path_for, plan
+    from evflow.processing.parallel.input.checkpoint import Checkpoint, checkpoint_path_for, plan
 
     out = str(tmp_path / "r.evr")
     CheckpointFile(checkpoint_path_for(out)).write(Checkpoint("r", 700, {"seq": 600}))

@@ -3,8 +3,8 @@ event per message for ever; the ledger's confirm stays linear with foreign uids.
 
 from __future__ import annotations
 
-from evflow.processing.parallel.ledger import Failure, Ledger, LedgerEntry
-from evflow.processing.parallel.resend import HOLD_S, ResendQueue
+from evflow.processing.parallel.input.ledger import Failure, Ledger, LedgerEntry
+from evflow.processing.parallel.input.resend import HOLD_S, ResendQueue
 
 KILLED = Failure.from_returncode(-9)
 

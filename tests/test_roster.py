@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from evflow.processing.parallel.roster import RESULTS_GRACE_S, Roster
+from evflow.processing.parallel.input.roster import RESULTS_GRACE_S, Roster
 
 
 def test_a_replacement_is_waited_for_until_its_hello() -> None:

@@ -23,7 +23,7 @@ from evflow import DataStore, Module
 from evflow.cli import main
 from evflow.event import FLAG_QUARANTINED
 from evflow.processing.options import DEFAULT_EVENT_TIMEOUT_S, ProcessOptions
-from evflow.processing.parallel.checkpoint import CheckpointFile, CheckpointWriter
+from evflow.processing.parallel.input.checkpoint import CheckpointFile, CheckpointWriter
 from evflow.processing.statistics import ModuleStatistics
 from evflow.processing.summary import RunSummary
 

@@ -29,9 +29,9 @@ from evflow.processing.parallel.batching import (
     unpack_batch,
 )
 from evflow.processing.parallel.deltas import DeltaEncoder
-from evflow.processing.parallel.fastpath import encoded_source, read_encoded
+from evflow.processing.parallel.input.fastpath import encoded_source, read_encoded
+from evflow.processing.parallel.input.ledger import Ledger
 from evflow.processing.parallel.lazystore import ReceivedBatch
-from evflow.processing.parallel.ledger import Ledger
 from evflow.processing.parallel.scoreboard import Scoreboard
 from evflow.wire.codec import decode_event, encode_event
 from evflow.wire.messages import BadMessageCounter, MsgType, decode_message, encode_message

@@ -40,11 +40,12 @@ from evflow.processing import runhooks
 from evflow.processing.chain import output_files
 from evflow.processing.console import is_terminal
 from evflow.processing.options import ProcessOptions
-from evflow.processing.parallel import checkpoint, scoreboard, state, statsboard
+from evflow.processing.parallel import scoreboard, state, statsboard
 from evflow.processing.parallel.common import channel
 from evflow.processing.parallel.control import ControlMixin
 from evflow.processing.parallel.exitpolicy import ExitPolicy
-from evflow.processing.parallel.input import input_main
+from evflow.processing.parallel.input import checkpoint
+from evflow.processing.parallel.input.input import input_main
 from evflow.processing.parallel.notices import say as _say
 from evflow.processing.parallel.notices import stopping_line, warn_many_workers
 from evflow.processing.parallel.output import output_main

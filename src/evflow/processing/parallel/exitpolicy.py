@@ -27,7 +27,8 @@ from typing import Any
 
 from evflow.errors import EvflowError, PeerLostError
 from evflow.processing.options import ProcessOptions
-from evflow.processing.parallel import checkpoint, scoreboard, statsboard
+from evflow.processing.parallel import scoreboard, statsboard
+from evflow.processing.parallel.input import checkpoint
 from evflow.processing.parallel.restarts import RestartPolicy, output_restart_refusal
 from evflow.processing.parallel.split import SplitPath
 from evflow.processing.parallel.worker import EXIT_RECYCLE, worker_main

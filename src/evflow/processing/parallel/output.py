@@ -30,7 +30,6 @@ from evflow.processing.chain import ModuleChain
 from evflow.processing.console import ConsoleProgress
 from evflow.processing.filetypes import quarantine_writer
 from evflow.processing.parallel.batching import from_u64, unpack_batch
-from evflow.processing.parallel.checkpoint import open_writers_for_append
 from evflow.processing.parallel.common import (
     RoleBus,
     channel,
@@ -40,6 +39,7 @@ from evflow.processing.parallel.common import (
 )
 from evflow.processing.parallel.dedup import WrittenUids
 from evflow.processing.parallel.fills import Fills
+from evflow.processing.parallel.input.checkpoint import open_writers_for_append
 from evflow.processing.parallel.lazystore import LazyEvent
 from evflow.processing.parallel.persist import decode_persistent, encode_persistent, merge_into
 from evflow.processing.parallel.reorder import SKIP, ReorderBuffer

@@ -38,7 +38,7 @@ from evflow.processing.parallel.common import (
     run_role,
 )
 from evflow.processing.parallel.deltas import DeltaEncoder
-from evflow.processing.parallel.fastpath import fastpath_enabled
+from evflow.processing.parallel.input.fastpath import fastpath_enabled
 from evflow.processing.parallel.lazystore import ReceivedBatch
 from evflow.processing.parallel.persist import encode_persistent
 from evflow.processing.parallel.scoreboard import current as current_scoreboard

@@ -28,9 +28,9 @@ from evflow.processing.parallel.batching import (
     pack_batch,
     u64,
 )
-from evflow.processing.parallel.fastpath import read_encoded
-from evflow.processing.parallel.ledger import Ledger, LedgerEntry
-from evflow.processing.parallel.resend import ResendQueue
+from evflow.processing.parallel.input.fastpath import read_encoded
+from evflow.processing.parallel.input.ledger import Ledger, LedgerEntry
+from evflow.processing.parallel.input.resend import ResendQueue
 from evflow.transport.shm import ShmArena
 from evflow.wire.codec import encode_event
 from evflow.wire.messages import MsgType, encode_message

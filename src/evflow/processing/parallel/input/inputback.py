@@ -17,11 +17,11 @@ import zmq
 from evflow.errors import ModuleError, PeerLostError
 from evflow.processing.chain import ModuleChain
 from evflow.processing.parallel.batching import from_u64, pack_batch, u64
-from evflow.processing.parallel.inputfeed import WorkerSlot
-from evflow.processing.parallel.ledger import Ledger, LedgerEntry
+from evflow.processing.parallel.input.inputfeed import WorkerSlot
+from evflow.processing.parallel.input.ledger import Ledger, LedgerEntry
+from evflow.processing.parallel.input.resend import ResendQueue
+from evflow.processing.parallel.input.roster import Roster
 from evflow.processing.parallel.persist import encode_persistent
-from evflow.processing.parallel.resend import ResendQueue
-from evflow.processing.parallel.roster import Roster
 from evflow.transport.security import is_alive, is_sibling, peer_pid
 from evflow.wire.messages import MsgType, decode_message, encode_message, field_int, refuse
 

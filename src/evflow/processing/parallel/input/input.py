@@ -35,16 +35,16 @@ from evflow.errors import ModuleError, ProtocolError
 from evflow.processing.chain import ModuleChain
 from evflow.processing.failures import FailureLog
 from evflow.processing.parallel.batching import SHM_TARGET_BATCH_B, TARGET_BATCH_B, BatchSizer
-from evflow.processing.parallel.checkpoint import CheckpointFile, CheckpointWriter
 from evflow.processing.parallel.common import RoleBus, channel, current_split, run_role
-from evflow.processing.parallel.fastpath import encoded_source
-from evflow.processing.parallel.inputback import BackMixin
-from evflow.processing.parallel.inputfeed import FeedMixin, WorkerSlot
-from evflow.processing.parallel.inputworkers import WorkersMixin
-from evflow.processing.parallel.ledger import Ledger, LedgerEntry
-from evflow.processing.parallel.resend import ResendQueue
+from evflow.processing.parallel.input.checkpoint import CheckpointFile, CheckpointWriter
+from evflow.processing.parallel.input.fastpath import encoded_source
+from evflow.processing.parallel.input.inputback import BackMixin
+from evflow.processing.parallel.input.inputfeed import FeedMixin, WorkerSlot
+from evflow.processing.parallel.input.inputworkers import WorkersMixin
+from evflow.processing.parallel.input.ledger import Ledger, LedgerEntry
+from evflow.processing.parallel.input.resend import ResendQueue
+from evflow.processing.parallel.input.roster import Roster
 from evflow.processing.parallel.rolebus import IDLE_WAIT_MS, wait_ms
-from evflow.processing.parallel.roster import Roster
 from evflow.transport.security import refused_total
 from evflow.transport.shm import ShmArena
 from evflow.wire.messages import BadMessageCounter, MsgType, encode_message

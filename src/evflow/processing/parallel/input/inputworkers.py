@@ -20,10 +20,10 @@ import zmq
 from evflow.errors import ModuleError
 from evflow.processing.failures import FailureLog
 from evflow.processing.parallel.batching import BatchSizer
-from evflow.processing.parallel.inputfeed import WorkerSlot
-from evflow.processing.parallel.ledger import Failure, Ledger, LedgerEntry
-from evflow.processing.parallel.resend import ResendQueue
-from evflow.processing.parallel.roster import Roster
+from evflow.processing.parallel.input.inputfeed import WorkerSlot
+from evflow.processing.parallel.input.ledger import Failure, Ledger, LedgerEntry
+from evflow.processing.parallel.input.resend import ResendQueue
+from evflow.processing.parallel.input.roster import Roster
 from evflow.transport.security import is_sibling, parent_of
 from evflow.wire.messages import (
     U64_MAX,

@@ -22,8 +22,8 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 from evflow.errors import ConfigurationError, InternalError
-from evflow.processing.parallel._ledger_blame import LedgerBlame
-from evflow.processing.parallel._ledger_records import (
+from evflow.processing.parallel.input._ledger_blame import LedgerBlame
+from evflow.processing.parallel.input._ledger_records import (
     _CONFIRMED,
     _IN_FLIGHT,
     _PENDING,

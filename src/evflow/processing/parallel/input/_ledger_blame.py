@@ -33,7 +33,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from evflow.errors import InternalError
-from evflow.processing.parallel._ledger_records import (
+from evflow.processing.parallel.input._ledger_records import (
     _IN_FLIGHT,
     _PENDING,
     _POISONED,

@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Iterator
 
-from evflow.processing.parallel.ledger import EntryState, LedgerEntry
+from evflow.processing.parallel.input.ledger import EntryState, LedgerEntry
 
 #: how long a dead worker's finished messages wait for their CONFIRM before they go
 #: again (s): above the output's longest confirm interval (0.25 s) plus transit

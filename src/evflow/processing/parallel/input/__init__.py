@@ -1,0 +1,1 @@
+"""The input role of a parallel run and what only it uses."""

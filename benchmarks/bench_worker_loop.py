@@ -104,7 +104,7 @@ def input_us(repeats: int, n_events: int = 100_000) -> float:
     from evflow.processing.parallel.batching import BatchSizer, from_u64, u64
     from evflow.processing.parallel.input import input as role
     from evflow.processing.parallel.input.fastpath import encoded_source
-    from evflow.processing.parallel.input.inputfeed import WorkerSlot
+    from evflow.processing.parallel.input.input import WorkerSlot
     from evflow.processing.parallel.input.ledger import Ledger
     from evflow.wire.messages import MsgType, decode_message, encode_message
 

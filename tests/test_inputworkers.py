@@ -1,4 +1,4 @@
-"""The input's HELLO check of a worker (processing/parallel/input/inputworkers.py)."""
+"""The input's HELLO check of a worker (processing/parallel/input/input.py)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import sys
 import pytest
 
 from evflow.errors import ProtocolError
-from evflow.processing.parallel.input.inputworkers import WorkersMixin
+from evflow.processing.parallel.input.input import _Input as _RunInput
 from evflow.wire.messages import BadMessageCounter, MsgType, encode_message, hello_header
 
 
-class _Input(WorkersMixin):
+class _Input(_RunInput):
     """Just what the HELLO path reads (a run's input has much more)."""
 
-    def __init__(self) -> None:
+    def __init__(self) -> None:  # (no sockets, no source: not the role's __init__)
         self.workers = {}
         self.remote_workers = False
         self.bad = BadMessageCounter("input")

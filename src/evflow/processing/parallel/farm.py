@@ -92,7 +92,7 @@ class FarmParent(Parent):
         # a peer forked by our own zygote: remote workers are neither. Their sockets are
         # on tcp, protected by the farm's CURVE keys (docs/farm_paths.md)
         self.ipc_auth = False
-        # remote workers' pids are not siblings of the input (input/inputworkers.py's HELLO check)
+        # remote workers' pids are not siblings of the input (input/input.py's HELLO check)
         self.role_options["remote_workers"] = True
         extra = options.extra or {}
         self.host_lost_s = float(extra.get("host_lost_s", HOST_LOST_S))

@@ -1,6 +1,6 @@
 """The records the input's ledger keeps: entry states, failures, entries, batches.
 
-Split out of ``ledger.py`` (which re-exports them) to keep each module one screenful.
+Small classes of their own, apart from the ledger's rules (``ledger.py`` re-exports them).
 """
 
 from __future__ import annotations

@@ -16,38 +16,82 @@ empty, then to the output with the counts; the input exits after the output's
 GOODBYE. With --ordered every output that says HELLO first gets ORDER: the seq where
 its order goes on (``reorder.py``).
 
-This module holds the role's state and main loop; its parts are mixins of ``_Input``:
-``inputfeed.py`` (reading and sending batches by credit, the hot path),
-``inputworkers.py`` (the workers' and the parent's messages) and ``inputback.py``
-(the output's messages, quarantine and END).
+``_Input`` holds the role's state and main loop, and its three sides:
+
+- *Feeding* (the hot path: what costs the input CPU per event is all there). Each
+  worker announces its credit (``WorkerSlot.buffer``); the input keeps at most a
+  credit window of events in flight per worker and fills it with re-sends first
+  (``resend.py``), then with new batches read through the input path or cut from
+  encoded chunks (``fastpath.py``), placed in shared memory or packed into one frame.
+- *The workers and the parent*: the bookkeeping of who holds what, not the sending.
+  On the ``events`` ROUTER a worker says HELLO (a sibling process with a worker's
+  name), READY (credit returned, work time, events its modules failed on) and
+  GOODBYE; on ``ctl`` the parent reports a lost worker (WORKER_LOST: its unconfirmed
+  events are taken back) or asks to STOP or KILL. The input asks the parent to kill a
+  worker without progress (STATE TIMEOUT).
+- *The output* (the ``back`` socket), the other end of the ledger, with its own
+  restart rules. Only the run's output may say HELLO here (a restarted one gets every
+  unconfirmed event again); with --ordered it first gets ORDER. CONFIRM takes events
+  off the ledger; poisoned events go to the output raw, to be written quarantined; END
+  goes to the workers when the ledger is empty, then to the output with the counts.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
+import numpy as np
 import zmq
 
-from evflow.errors import ModuleError, ProtocolError
-from evflow.processing.chain import ModuleChain
+from evflow.errors import EvflowError, ModuleError, PeerLostError, ProtocolError
+from evflow.event import DataStore
+from evflow.processing.chain import ModuleChain, user_traceback
 from evflow.processing.failures import FailureLog
-from evflow.processing.parallel.batching import SHM_TARGET_BATCH_B, TARGET_BATCH_B, BatchSizer
+from evflow.processing.module import Source
+from evflow.processing.parallel.batching import (
+    SHM_TARGET_BATCH_B,
+    TARGET_BATCH_B,
+    BatchSizer,
+    PackedEvents,
+    frames_nbytes,
+    from_u64,
+    pack_batch,
+    u64,
+)
 from evflow.processing.parallel.common import RoleBus, channel, current_split, run_role
 from evflow.processing.parallel.input.checkpoint import CheckpointFile, CheckpointWriter
-from evflow.processing.parallel.input.fastpath import encoded_source
-from evflow.processing.parallel.input.inputback import BackMixin
-from evflow.processing.parallel.input.inputfeed import FeedMixin, WorkerSlot
-from evflow.processing.parallel.input.inputworkers import WorkersMixin
-from evflow.processing.parallel.input.ledger import Ledger, LedgerEntry
+from evflow.processing.parallel.input.fastpath import encoded_source, read_encoded
+from evflow.processing.parallel.input.ledger import Failure, Ledger, LedgerEntry
 from evflow.processing.parallel.input.resend import ResendQueue
 from evflow.processing.parallel.input.roster import Roster
+from evflow.processing.parallel.persist import encode_persistent
 from evflow.processing.parallel.rolebus import IDLE_WAIT_MS, wait_ms
-from evflow.transport.security import refused_total
+from evflow.transport.security import (
+    is_alive,
+    is_sibling,
+    parent_of,
+    peer_pid,
+    refused_total,
+)
 from evflow.transport.shm import ShmArena
-from evflow.wire.messages import BadMessageCounter, MsgType, encode_message
+from evflow.wire.codec import encode_event
+from evflow.wire.messages import (
+    U64_MAX,
+    BadMessageCounter,
+    MsgType,
+    check_hello,
+    decode_message,
+    encode_message,
+    field_float,
+    field_int,
+    field_str,
+    refuse,
+)
 
 #: with event_timeout_s, the input looks for workers without progress this often (ms):
 #: a hundredth of the timeout, from TIMEOUT_CHECK_MS up to IDLE_WAIT_MS (the default
@@ -55,6 +99,11 @@ from evflow.wire.messages import BadMessageCounter, MsgType, encode_message
 TIMEOUT_CHECK_MS = 50
 #: a restarted input checks this often for its first progress to checkpoint (s)
 RESTART_CHECKPOINT_S = 0.1
+
+RECYCLED = Failure("recycled", "worker ended early (worker_memory_limit_mb)")
+#: the most credit a worker may announce (events it can hold)
+MAX_CREDIT = 1 << 24
+_WORKER_NAME = re.compile(r"^worker-\d{1,6}(\.\d{1,6})?$")
 
 
 def input_main(session: str, options: dict[str, Any]) -> int:
@@ -70,8 +119,84 @@ def input_main(session: str, options: dict[str, Any]) -> int:
     return run_role("input", session, body, auth=options.get("auth"))
 
 
-class _Input(FeedMixin, WorkersMixin, BackMixin):
+class Batch:
+    """Events about to be sent in one EVENTS message."""
+
+    __slots__ = ("attempt", "enc", "n", "packed", "positions", "seqs", "uids")
+
+    def __init__(
+        self,
+        enc: Sequence[Any],
+        uids: list[int],
+        positions: list[int],
+        seqs: bytes,
+        packed: bool,
+    ) -> None:
+        self.enc = enc
+        self.uids = uids
+        self.positions = positions
+        self.seqs = seqs
+        self.n = len(enc)
+        self.packed = packed
+        self.attempt = 1
+
+
+class WorkerSlot:
+    """The input's view of one worker: its credit and the events it holds."""
+
+    __slots__ = ("buffer", "inflight", "name", "pid")
+
+    def __init__(self, name: str, pid: int) -> None:
+        self.name = name
+        self.pid = pid
+        self.buffer = 0  # credit the worker announced (0 until its first READY)
+        self.inflight = 0
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class _Input:
     """The input role: its state, its main loop and its result."""
+
+    # (the types of what ``__init__`` sets from untyped values, for the type checker)
+    router: zmq.Socket[Any]
+    chain: ModuleChain
+    encoded: bool
+    sizer: BatchSizer
+    ledger: Ledger
+    resend: ResendQueue
+    ordered: bool
+    reorder_window: int
+    max_events: int
+    n_workers: int
+    start_position: int
+    next_bid: int
+    next_seq: int
+    read: int
+    dropped: int
+    exhausted: bool
+    stopping: bool
+    ctl: zmq.Socket[Any]
+    bad: BadMessageCounter
+    roster: Roster
+    remote_workers: bool
+    on_event_error: str
+    failure_log: FailureLog
+    check_ms: int
+    next_check_s: float
+    end_sent: bool
+    abort: bool
+    back: zmq.Socket[Any]
+    output_pid: int
+    quarantined: int
+    max_quarantined: int
+    start_seq: int
+    drain_sent: bool
+    output_end_sent: bool
+    done: bool
 
     def __init__(
         self, ctx: zmq.Context[Any], session: str, options: dict[str, Any], channels: list[Any]
@@ -316,6 +441,467 @@ class _Input(FeedMixin, WorkersMixin, BackMixin):
         if self.checkpoint is not None:
             return max(1, min(wait, wait_ms(self.checkpoint.due_in_s())))
         return wait
+
+    # --- feeding: reading and sending batches by credit (the hot path) ------------------
+    def _can_feed(self) -> bool:
+        """True when ``_feed`` has something for a worker with room (no busy loop: an
+        isolated event waits for a worker with nothing in flight)."""
+        workers = self.workers.values()
+        if self.resend:
+            due = self.resend.next_due_s()
+            if due is not None and due <= time.monotonic():
+                self.resend.release(time.monotonic())
+        if self.resend.only_isolated() and (
+            self.exhausted or self.stopping or self._ordered_full()
+        ):  # (a full --ordered window waits for CONFIRMs, not in a busy loop)
+            return bool(self.resend.isolated) and any(s.buffer and not s.inflight for s in workers)
+        window = self.sizer.window
+        return any(s.buffer and s.inflight < window(s.buffer) for s in workers)
+
+    def _feed(self) -> None:
+        for ident, slot in self.workers.items():
+            if not slot.buffer:
+                continue
+            window = self.sizer.window(slot.buffer)
+            while slot.inflight < window:
+                if self.resend:
+                    room = window - slot.inflight
+                    group = self.resend.pick(not slot.inflight, room, self.sizer.size())
+                    if group is not None:
+                        self._resend_live(ident, slot, group)
+                        continue
+                if self.exhausted or self.stopping or self._ordered_full():
+                    if self.resend.isolated:
+                        break  # isolated events left: another worker may be idle
+                    return
+                batch = self._read_batch(min(window - slot.inflight, self.sizer.size()))
+                if batch is None:
+                    return
+                self._send(ident, slot, batch)
+                now = time.monotonic() if self.ledger.event_timeout_s is not None else 0.0
+                self.ledger.add_lists(batch.uids, batch.positions, batch.enc, slot.name, now)
+
+    def _resend_live(self, ident: bytes, slot: WorkerSlot, picked: list[LedgerEntry]) -> None:
+        """Send ``picked`` (one attempt number) again in one message, but those confirmed
+        meanwhile (their first result arrived after all)."""
+        live = [e for e in picked if e.state.value != "confirmed"]
+        if not live:
+            return
+        uids = [e.uid for e in live]
+        self.ledger.resend_many(uids, slot.name)
+        batch = Batch(
+            [e.frames for e in live],
+            uids,
+            [e.position for e in live],
+            u64([self.seq_of.get(uid, 0) for uid in uids]),
+            packed=False,
+        )
+        batch.attempt = live[0].attempt
+        self._send(ident, slot, batch)
+        # transport shm: events from several extents were copied into a new one, which
+        # must live until they are confirmed: the entries hold it, not the old ones
+        for entry, frames in zip(live, batch.enc, strict=True):
+            entry.frames = frames
+
+    def _ordered_full(self) -> bool:
+        """--ordered: stay within ``reorder_window`` events of the oldest unconfirmed one."""
+        if not self.ordered:
+            return False
+        first = self.ledger.first_unconfirmed()
+        if first is None:
+            return False
+        return self.next_seq - self.seq_of.get(first[0], self.next_seq) >= self.reorder_window
+
+    def _events_to_read(self) -> int | None:
+        total = self.source.total() if isinstance(self.source, Source) else None
+        left = None if total is None else max(total - self.start_position, 0)
+        if self.max_events:
+            left = self.max_events if left is None else min(left, self.max_events)
+        return left
+
+    def _read_batch(self, n: int) -> Batch | None:
+        # guided batch sizes: the work left, shared by the workers (batching.BatchSizer)
+        if self.to_read is not None:
+            self.sizer.remaining = max(self.to_read - self.read, 0)
+        self.sizer.workers = max(len(self.workers), self.n_workers)
+        if self.encoded:
+            enc, uids, positions = read_encoded(self, self.it, n)
+        else:
+            enc, uids, positions = self._read_stores(n)
+        if not enc:
+            return None
+        seq0 = self.next_seq
+        self.next_seq += len(enc)
+        if self.ordered:
+            self.seq_of.update(zip(uids, range(seq0, self.next_seq), strict=True))
+        seqs = u64(range(seq0, self.next_seq))
+        return Batch(enc, uids, positions, seqs, self.sizer.packed)
+
+    def _read_stores(self, n: int) -> tuple[list[Any], list[int], list[int]]:
+        """Up to ``n`` events from the source, through the input path, encoded."""
+        enc: list[Any] = []
+        uids: list[int] = []
+        positions: list[int] = []
+        chain, it, clock = self.chain, self.it, time.perf_counter
+        current = chain.run
+        while len(enc) < n:
+            if self.max_events and self.read >= self.max_events:
+                self.exhausted = True
+                break
+            t0 = clock()
+            try:
+                store: DataStore = next(it)
+            except StopIteration:
+                self.exhausted = True
+                break
+            except EvflowError:
+                raise
+            except Exception as exc:
+                raise ModuleError(
+                    self.source.name, "events", None, exc, user_traceback(exc)
+                ) from exc
+            chain.add_source_time(clock() - t0)
+            self.read += 1
+            meta = store.meta
+            if current is None or current.run != meta.run or current.experiment != meta.experiment:
+                chain.switch_run(meta.experiment, meta.run)
+                current = chain.run
+            if not chain.event(store):
+                self.dropped += 1
+                continue
+            frames = encode_event(store)
+            if not enc:
+                self.sizer.observe_size(frames_nbytes(frames))
+                n = min(n, self.sizer.size())
+            enc.append(frames)
+            uids.append(meta.uid)
+            positions.append(self.start_position + self.read - 1)
+        return enc, uids, positions
+
+    def _send(self, ident: bytes, slot: WorkerSlot, batch: Batch) -> None:
+        bid = self.next_bid
+        self.next_bid += 1
+        header = {"b": bid, "a": batch.attempt, "u": u64(batch.uids), "s": batch.seqs}
+        placed = None
+        if self.shm is not None and not batch.packed and batch.enc:
+            placed = self.shm.place(batch.enc)  # None: the arena is full, use the socket
+        if placed is not None:
+            header["n"] = np.array([len(e) for e in placed], dtype=np.uint16).tobytes()
+            header["p"] = False
+            header.update(placed.where)
+            payload: list[Any] = []
+            batch.enc = placed  # the ledger holds the extent until every event is confirmed
+        else:
+            payload = pack_batch(batch.enc, header, batch.packed)
+        if batch.packed and payload:  # the ledger keeps the sent bytes, not the chunks
+            batch.enc = PackedEvents(payload[0], cast(bytes, header["n"]), cast(bytes, header["l"]))
+        self.router.send_multipart(
+            [ident, *encode_message(MsgType.EVENTS, header, payload)],
+            copy=placed is not None or not self.sizer.zero_copy,  # (shm: small frames only)
+        )
+        slot.inflight += batch.n
+
+    # --- the workers (events) and the parent (ctl): who holds what ----------------------
+    def _on_worker(self, frames: list[bytes]) -> None:
+        ident = frames[0]
+        msg = decode_message(frames[1:])
+        slot = self.workers.get(ident)
+        header = msg.header
+        if msg.type == MsgType.READY:
+            if slot is None:  # (a worker taken off the roster: its last READY is void)
+                return
+            done = field_int(header, "credit", 0, MAX_CREDIT)
+            if "t" in header:
+                if done > slot.inflight:  # never more credit than it holds: clamped, counted
+                    self.bad.record("bad-credit", f"{slot.name} returned {done}, held fewer")
+                    done = slot.inflight
+                t = header["t"]
+                if t is not None:  # None: skipped (an obsolete shm message)
+                    t = field_float(header, "t", 0.0, 1e6)
+                failures = header.get("f", ())
+                if type(failures) not in (list, tuple):
+                    raise refuse("bad-field", f"READY of {slot.name}: 'f' is not a list")
+                slot.inflight -= done
+                if t is not None:
+                    self.sizer.observe_work(t)
+                # workers go through their messages in order: the ledger then knows
+                # which one a worker works on (blame on death, timeouts)
+                self.ledger.progress(slot.name, n_events=done)
+                for failure in failures:
+                    self._event_failed(slot.name, failure)
+            else:
+                slot.buffer = max(done, 1)
+        elif msg.type == MsgType.HELLO:
+            check_hello(header)
+            name = field_str(header, "name", 32)
+            pid = field_int(header, "pid", 1, 2**31)
+            if not _WORKER_NAME.match(name):
+                raise refuse("bad-hello", f"HELLO on the events socket from {name!r}, not a worker")
+            if any(s.name == name for s in self.workers.values()) or slot is not None:
+                raise refuse("bad-hello", f"second HELLO of {name!r}")
+            if not self.remote_workers and not is_sibling(pid):
+                if parent_of(pid) is None:
+                    # it said HELLO and ended (the run aborts at start-up and its workers
+                    # go): no intruder, and the parent reports the loss. Counted, not shown.
+                    self.bad.record(
+                        "hello-of-ended", f"HELLO of {name!r}: pid {pid} has ended", quiet=True
+                    )
+                    return
+                raise refuse(
+                    "bad-hello", f"HELLO of {name!r}: pid {pid} is not a process of the run"
+                )
+            self.workers[ident] = WorkerSlot(name, pid)
+            self.roster.hello(name)
+            if self.end_sent:
+                self.router.send_multipart([ident, *self._end_message()])
+        elif msg.type == MsgType.GOODBYE:
+            if slot is None:
+                return
+            self.goodbye.append(slot.name)
+            del self.workers[ident]
+            # a worker recycled early (memory limit) may leave messages it never read;
+            # the results of those it finished are on their way to the output
+            entries = self.ledger.requeue_unfinished(slot.name, RECYCLED)
+            self.resend.extend(e for e in entries if not e.poisoned)
+            if msg.header.get("recycled"):  # (at the end of the run nothing is left)
+                self.roster.recycled(slot.name, time.monotonic())
+        else:
+            raise refuse("unexpected", f"{msg.type.name} on the events socket")
+
+    def _on_ctl(self, frames: list[bytes]) -> None:
+        msg = decode_message(frames)
+        if msg.type == MsgType.STOP:
+            self.stopping = True
+        elif msg.type == MsgType.KILL:
+            self.abort = True
+        elif msg.type == MsgType.WORKER_LOST:
+            header = msg.header
+            name = field_str(header, "name", 32)
+            if header.get("reason") == "timeout":
+                failure = Failure.timeout(float(self.ledger.event_timeout_s or 0))
+            else:
+                failure = Failure.from_returncode(field_int(header, "code", -255, 255))
+            # the parent read the worker's scoreboard slot: busy on one event (charged
+            # alone), idle (nobody charged, -1), or unknown (the ledger's READY guess)
+            blame = header.get("blame")
+            culprit = (
+                field_int(header, "uid", 0, U64_MAX)
+                if blame == "busy"
+                else -1
+                if blame == "idle"
+                else None
+            )
+            replacement = header.get("replacement")
+            if replacement is not None:
+                replacement = field_str(header, "replacement", 32)
+            n = self.requeue(name, failure, culprit)
+            self.sizer.observe_loss()  # smaller batches while workers keep dying
+            self.requeued_lost[name] = n  # the summary's "events re-sent"
+            # a replacement forked at once: the run does not end before it said HELLO
+            self.roster.lost(name, replacement or None)
+
+    def requeue(self, name: str, failure: Failure, culprit_uid: int | None = None) -> int:
+        """Take back every unconfirmed event of the lost worker ``name``.
+
+        Pending events are sent again (to other workers) with ``attempt + 1``;
+        poisoned ones (``max_attempts`` failures) go to the output to be written raw,
+        flagged quarantined. Returns how many events came back. The output drops any
+        uid it already wrote.
+        """
+        for ident, slot in list(self.workers.items()):
+            if slot.name == name:
+                del self.workers[ident]
+        entries = self.ledger.requeue_worker(name, failure, culprit_uid)
+        poisoned = [e for e in entries if e.poisoned]
+        # (those of messages it finished wait a moment for their CONFIRM: resend.py)
+        self.resend.add_after_death((e for e in entries if not e.poisoned), time.monotonic())
+        if poisoned:
+            self._quarantine(poisoned)
+        return len(entries)
+
+    def _event_failed(self, worker: str, f: dict[str, Any]) -> None:
+        """A module raised in ``event()`` on one event; its worker lives on.
+
+        By default (``on_event_error="retry"``) the event counts a failed attempt and
+        is sent again, or quarantined after ``max_attempts``; ``"stop"`` stops the run
+        with the module's error. More than ``max_quarantined`` quarantined events stop
+        the run too (a path that fails on every event must not grind through them all).
+        """
+        if type(f) is not dict:
+            raise refuse("bad-field", f"failure report of {worker} is not a map")
+        uid = field_int(f, "uid", 0, U64_MAX)
+        cause_name = field_str(f, "cause", 200)
+        if not cause_name.isidentifier():
+            raise refuse("bad-field", f"failure report of {worker}: cause {cause_name!r}")
+        cause = type(cause_name, (Exception,), {})(str(f.get("text", ""))[:10_000])
+        error = ModuleError(field_str(f, "module", 200), "event", uid, cause, str(f.get("tb", "")))
+        if self.on_event_error == "stop":
+            raise error
+        self.last_error = error
+        self.failure_log.add(
+            error.module, str(f["cause"]), str(f["text"]), uid, str(f.get("tb", ""))
+        )
+        entry = self.ledger.fail(uid, Failure.exception(f"{error} (in {worker})"))
+        if entry is None:
+            return
+        if entry.poisoned:
+            self._quarantine([entry])
+        else:
+            self.resend.append(entry)
+
+    def _check_leavers(self) -> None:
+        for name in self.roster.overdue(time.monotonic(), self.ledger.in_flight):
+            entries = self.ledger.requeue_worker(name, RECYCLED, culprit_uid=-1)
+            self.resend.extend(e for e in entries if not e.poisoned)
+
+    def _check_timeouts(self) -> None:
+        now = time.monotonic()
+        if now < self.next_check_s:
+            return
+        self.next_check_s = now + self.check_ms / 1000
+        for entry in self.ledger.expired(now):
+            if entry.worker not in self.timeouts_asked:
+                self.timeouts_asked.add(entry.worker)
+                header = {"state": "TIMEOUT", "name": "input", "worker": entry.worker}
+                header["uid"] = entry.uid
+                self.ctl.send_multipart(encode_message(MsgType.STATE, header))
+
+    # --- the output (back): HELLO, CONFIRMs, quarantine and END -------------------------
+    def _on_output(self, frames: list[Any]) -> None:
+        ident = frames[0].bytes
+        msg = decode_message(frames[1:])
+        if msg.type == MsgType.HELLO:
+            self._output_hello(ident, frames[0], msg.header)
+            return
+        if ident != self.output_id:  # only the output the input knows may confirm or end
+            raise refuse("unknown-peer", f"{msg.type.name} on the back socket from a stranger")
+        if msg.type == MsgType.CONFIRM:
+            if len(msg.payload) != 1 or len(msg.payload[0]) % 8:
+                raise refuse("bad-confirm", "CONFIRM payload is not one frame of uint64 uids")
+            uids = from_u64(msg.payload[0].buffer).tolist()
+            self.ledger.confirm(uids)
+            if self.ordered:
+                pop = self.seq_of.pop
+                for uid in uids:
+                    pop(uid, None)
+        elif msg.type == MsgType.GOODBYE:
+            if not self.output_end_sent:
+                raise refuse("early-goodbye", "GOODBYE from the output before END was sent")
+            self.done = True
+        else:
+            raise refuse("unexpected", f"{msg.type.name} on the back socket")
+
+    def _output_hello(self, ident: bytes, frame: Any, header: dict[Any, Any]) -> None:
+        """An output introduces itself: the first one, or a restarted one (the previous
+        output is dead). Anything else saying HELLO here is refused: taken for a new
+        output, it would make the input send every unconfirmed event to nowhere."""
+        if header.get("role") != "output" or header.get("name") != "output":
+            raise refuse("bad-hello", f"HELLO on the back socket from {_short(header)}")
+        pid = field_int(header, "pid", 1, 2**31)
+        sender = peer_pid(frame)
+        if sender is not None and sender != pid:
+            raise refuse("bad-hello", f"HELLO of output pid {pid} sent by process {sender}")
+        if not is_sibling(pid) or any(s.pid == pid for s in self.workers.values()):
+            raise refuse("bad-hello", f"HELLO of output pid {pid}: not the run's output")
+        if self.output_id is not None and pid != self.output_pid and is_alive(self.output_pid):
+            raise refuse("bad-hello", f"HELLO of output pid {pid}: output {self.output_pid} lives")
+        restarted = self.output_id is not None
+        self.output_id = ident
+        self.output_pid = pid
+        self.drain_sent = False  # (a new output must hear it too)
+        if self.ordered:  # before anything else: where the output's order goes on
+            order = encode_message(MsgType.ORDER, self._order_start())
+            self.back.send_multipart([self.output_id, *order])
+        if restarted:
+            self._output_restarted()
+        if self.unsent_quarantine:
+            self._send_quarantine(self.unsent_quarantine)
+            self.unsent_quarantine = []
+
+    def _output_restarted(self) -> None:
+        """A new output (the old one died): whatever it had not confirmed may be lost.
+
+        Every unconfirmed event goes out again (workers may still deliver the first
+        copies; the new output drops the uids its reopened files already hold).
+        """
+        entries = self.ledger.requeue_all("output restarted")
+        self.resend.replace(e for e in entries if not e.poisoned)
+        self.unsent_quarantine += [e for e in entries if e.poisoned]
+        if self.end_for_output is not None:  # it died after END: the new one needs it
+            assert self.output_id is not None  # (set by the HELLO that told us)
+            self.back.send_multipart([self.output_id, *self.end_for_output])
+
+    def _order_start(self) -> dict[str, Any]:
+        """--ordered: the ORDER header for an output that said HELLO.
+
+        ``seq``: the lowest unconfirmed seq (the output confirms in order: everything
+        below is written); ``done``: seqs above it confirmed already (only while a
+        restarted input catches up, when confirms of re-read events come out of order).
+        """
+        unconfirmed = set(self.seq_of.values())
+        first = min(unconfirmed) if unconfirmed else self.next_seq
+        done = [s for s in range(first, self.next_seq) if s not in unconfirmed]
+        return {"seq": first, "done": done}
+
+    def _quarantine(self, entries: list[LedgerEntry]) -> None:
+        self.quarantined += len(entries)
+        if self.quarantined > self.max_quarantined:
+            last = self.last_error
+            raise PeerLostError(
+                f"{self.quarantined} events were quarantined (limit max_quarantined="
+                f"{self.max_quarantined}); the run is stopped. Last failure: "
+                f"{last if last is not None else entries[-1].reason}"
+            )
+        if self.output_id is None:  # the output has not said HELLO yet: send it then
+            self.unsent_quarantine += entries
+            return
+        self._send_quarantine(entries)
+
+    def _send_quarantine(self, entries: list[LedgerEntry]) -> None:
+        header = {
+            "b": -1,
+            "a": max(e.attempt for e in entries),
+            "u": u64([e.uid for e in entries]),
+            "s": u64([self.seq_of.get(e.uid, 0) for e in entries]),
+            "k": bytes([1] * len(entries)),
+            "w": "input",
+            "q": [e.reason for e in entries],
+        }
+        payload = pack_batch([e.frames for e in entries], header, packed=False)
+        message = encode_message(MsgType.EVENTS, header, payload)
+        assert self.output_id is not None
+        self.back.send_multipart([self.output_id, *message])
+
+    def _end_message(self) -> list[Any]:
+        run = self.chain.run
+        return encode_message(MsgType.END, {"run": [run.experiment, run.run] if run else None})
+
+    def _maybe_end(self) -> None:
+        if not (self.exhausted or self.stopping) or len(self.ledger) or self.resend:
+            return
+        if not self.end_sent:
+            self.end_sent = True
+            for ident in self.workers:
+                self.router.send_multipart([ident, *self._end_message()])
+        if self.workers or self.roster.coming or self.output_end_sent or self.output_id is None:
+            return  # (a replacement still on its way gets END at its HELLO, then ends too)
+        self.output_end_sent = True
+        last = self.chain.run
+        self.chain.end_run()
+        self.chain.terminate()
+        head, frames, skipped = encode_persistent(self.chain.persistent)
+        header = {
+            "workers": self.goodbye,
+            "read": self.read,
+            "dropped": self.dropped,
+            "sent": self.next_seq - self.start_seq,
+            "run": [last.experiment, last.run] if last else None,
+            "skipped": skipped,
+            "stopped": self.stopping,
+        }
+        message = encode_message(MsgType.END, header, [head, *frames])
+        self.end_for_output = message
+        self.back.send_multipart([self.output_id, *message])
 
 
 def _ledger_counts(ledger: Ledger) -> dict[str, int]:

@@ -67,9 +67,9 @@ def _worker_messages(n_batches: int) -> list[tuple[dict[str, Any], list[Any]]]:
 def _worker(n_modules: int) -> Any:
     from evflow.io import BusyWork
     from evflow.processing.chain import ModuleChain
-    from evflow.processing.parallel import worker as role
     from evflow.processing.parallel.deltas import DeltaEncoder
     from evflow.processing.parallel.scoreboard import Scoreboard
+    from evflow.processing.parallel.worker import worker as role
     from evflow.wire.messages import BadMessageCounter
 
     w = object.__new__(role._Worker)

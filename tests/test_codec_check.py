@@ -10,7 +10,7 @@ import pytest
 
 from evflow.errors import CodecError
 from evflow.event import DataStore, EventMeta
-from evflow.processing.parallel.lazystore import LazyEvent
+from evflow.processing.parallel.worker.lazystore import LazyEvent
 from evflow.wire.check import quick_meta
 from evflow.wire.codec import decode_event, encode_event
 

@@ -32,7 +32,7 @@ from evflow.processing.parallel.input.fastpath import (
     fastpath_allowed,
     read_encoded,
 )
-from evflow.processing.parallel.lazystore import LazyEvent, untouched
+from evflow.processing.parallel.worker.lazystore import LazyEvent, untouched
 from evflow.wire.codec import decode_event, encode_event
 
 

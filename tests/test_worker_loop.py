@@ -19,7 +19,6 @@ from evflow.io import BusyWork, ToyGenerator
 from evflow.io._encoded_toy import ToyEncoder
 from evflow.processing import chain as chain_module
 from evflow.processing.chain import ModuleChain
-from evflow.processing.parallel import worker as worker_role
 from evflow.processing.parallel.batching import (
     BatchSizer,
     PackedEvents,
@@ -31,8 +30,9 @@ from evflow.processing.parallel.batching import (
 from evflow.processing.parallel.deltas import DeltaEncoder
 from evflow.processing.parallel.input.fastpath import encoded_source, read_encoded
 from evflow.processing.parallel.input.ledger import Ledger
-from evflow.processing.parallel.lazystore import ReceivedBatch
 from evflow.processing.parallel.scoreboard import Scoreboard
+from evflow.processing.parallel.worker import worker as worker_role
+from evflow.processing.parallel.worker.lazystore import ReceivedBatch
 from evflow.wire.codec import decode_event, encode_event
 from evflow.wire.messages import BadMessageCounter, MsgType, decode_message, encode_message
 

@@ -54,7 +54,7 @@ from evflow.hlt.links import FragmentReceiver
 from evflow.hlt.replay import join_fragments
 from evflow.params import Param
 from evflow.processing.module import Source
-from evflow.processing.parallel.lazystore import LazyEvent
+from evflow.processing.parallel.worker.lazystore import LazyEvent
 from evflow.runtime.device import Device
 from evflow.runtime.devices import StreamRecord, end_and_wait
 from evflow.wire.codec import encode_event

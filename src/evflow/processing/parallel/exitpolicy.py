@@ -31,7 +31,7 @@ from evflow.processing.parallel import scoreboard, statsboard
 from evflow.processing.parallel.input import checkpoint
 from evflow.processing.parallel.restarts import RestartPolicy, output_restart_refusal
 from evflow.processing.parallel.split import SplitPath
-from evflow.processing.parallel.worker import EXIT_RECYCLE, worker_main
+from evflow.processing.parallel.worker.worker import EXIT_RECYCLE, worker_main
 from evflow.processing.statistics import ModuleStatistics
 from evflow.runtime.supervisor import (
     Decision,

@@ -65,7 +65,7 @@ def remote_worker(
 ) -> int:
     """A worker forked by the agent: the engine's worker, its channels over tcp."""
     from evflow.processing.parallel import tcpwire
-    from evflow.processing.parallel.worker import worker_main
+    from evflow.processing.parallel.worker.worker import worker_main
 
     tcpwire.CONNECT = dict(endpoints)  # CURVE: the farm keys of the agent's environment
     return worker_main(session, name, event_buffer)

@@ -39,12 +39,12 @@ from evflow.processing.parallel.common import (
 )
 from evflow.processing.parallel.deltas import DeltaEncoder
 from evflow.processing.parallel.input.fastpath import fastpath_enabled
-from evflow.processing.parallel.lazystore import ReceivedBatch
 from evflow.processing.parallel.persist import encode_persistent
 from evflow.processing.parallel.scoreboard import current as current_scoreboard
 from evflow.processing.parallel.scoreboard import slot_of
 from evflow.processing.parallel.statsboard import StatsBoard
 from evflow.processing.parallel.statsboard import current as current_stats_board
+from evflow.processing.parallel.worker.lazystore import ReceivedBatch
 from evflow.transport.security import RunAuth
 from evflow.transport.shm import ShmViews
 from evflow.wire.codec import encode_event

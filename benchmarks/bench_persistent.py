@@ -29,9 +29,9 @@ import numpy as np
 import evflow
 from evflow import DataStore, Module
 from evflow.io import BusyWork, ToyGenerator
-from evflow.processing.parallel.dedup import WrittenUids
 from evflow.processing.parallel.deltas import DeltaEncoder
-from evflow.processing.parallel.fills import Fills
+from evflow.processing.parallel.output.dedup import WrittenUids
+from evflow.processing.parallel.output.fills import Fills
 
 ORIGINAL_TAKE: Any = DeltaEncoder.take
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from evflow.processing.parallel.dedup import DedupStatistics, WrittenUids
+from evflow.processing.parallel.output.dedup import DedupStatistics, WrittenUids
 
 
 class _ReopenedWriter:

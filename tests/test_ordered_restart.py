@@ -27,7 +27,7 @@ from evflow.io.generators import BusyWork, ToyGenerator
 from evflow.io.records import RecordOutput, RecordReader, decode_record
 from evflow.processing.faults import FaultInjector
 from evflow.processing.parallel.input.checkpoint import Checkpoint, CheckpointFile
-from evflow.processing.parallel.reorder import SKIP, ReorderBuffer
+from evflow.processing.parallel.output.reorder import SKIP, ReorderBuffer
 
 N_EVENTS = 4000
 POISON = [1234, 2999]  # raise on every attempt: quarantined, written raw in their place

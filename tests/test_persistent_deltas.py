@@ -24,10 +24,10 @@ from evflow.errors import CodecError
 from evflow.io.generators import BusyWork, ToyGenerator
 from evflow.io.records import RecordOutput, RecordReader, decode_record
 from evflow.processing.faults import FaultInjector
-from evflow.processing.parallel import fills as fills_module
-from evflow.processing.parallel.dedup import WrittenUids
 from evflow.processing.parallel.deltas import DeltaEncoder, DeltaMerger
-from evflow.processing.parallel.fills import COUNTER_NAMES, Fills
+from evflow.processing.parallel.output import fills as fills_module
+from evflow.processing.parallel.output.dedup import WrittenUids
+from evflow.processing.parallel.output.fills import COUNTER_NAMES, Fills
 from test_chaos import _kill_role_when
 
 

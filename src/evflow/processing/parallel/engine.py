@@ -48,7 +48,7 @@ from evflow.processing.parallel.input import checkpoint
 from evflow.processing.parallel.input.input import input_main
 from evflow.processing.parallel.notices import say as _say
 from evflow.processing.parallel.notices import stopping_line, warn_many_workers
-from evflow.processing.parallel.output import output_main
+from evflow.processing.parallel.output.output import output_main
 from evflow.processing.parallel.restarts import RestartPolicy
 from evflow.processing.parallel.runsummary import LOST, RunSummaryMixin
 from evflow.processing.parallel.split import SplitPath

@@ -37,11 +37,11 @@ from evflow.processing.parallel.common import (
     run_of,
     run_role,
 )
-from evflow.processing.parallel.dedup import WrittenUids
-from evflow.processing.parallel.fills import Fills
 from evflow.processing.parallel.input.checkpoint import open_writers_for_append
+from evflow.processing.parallel.output.dedup import WrittenUids
+from evflow.processing.parallel.output.fills import Fills
+from evflow.processing.parallel.output.reorder import SKIP, ReorderBuffer
 from evflow.processing.parallel.persist import decode_persistent, encode_persistent, merge_into
-from evflow.processing.parallel.reorder import SKIP, ReorderBuffer
 from evflow.processing.parallel.rolebus import wait_ms
 from evflow.processing.parallel.worker.lazystore import LazyEvent
 from evflow.processing.writer import quarantine_file_for

@@ -19,7 +19,7 @@ from typing import Any
 
 import zmq
 
-from evflow.processing.parallel.control import ControlMixin
+from evflow.processing.parallel.run.control import ControlMixin
 from evflow.runtime.busclient import BusClient
 
 

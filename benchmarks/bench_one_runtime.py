@@ -39,7 +39,7 @@ import evflow
 from evflow.io import BusyWork, ToyGenerator
 from evflow.processing.options import ProcessOptions
 from evflow.processing.parallel import run_parallel
-import evflow.processing.parallel.engine  # its import: in the process time, not the run's
+import evflow.processing.parallel.run.engine  # its import: in the process time, not the run's
 
 kind, n, payload, work_ms, workers = sys.argv[1], *map(float, sys.argv[2:6])
 path = evflow.Path([ToyGenerator(n_events=int(n), payload_bytes=int(payload)),

@@ -249,7 +249,9 @@ def startup() -> list[tuple[int, float, float]]:
             )
         )
     t0 = time.monotonic()
-    subprocess.run([sys.executable, "-c", "import evflow.io, evflow.processing.parallel.engine"])
+    subprocess.run(
+        [sys.executable, "-c", "import evflow.io, evflow.processing.parallel.run.engine"]
+    )
     interp = time.monotonic() - t0
     print("\nstart-up (from run_parallel(); the interpreter + imports take", f"{interp:.2f} s)")
     print(" workers  first event s  all workers HELLO s")

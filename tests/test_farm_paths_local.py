@@ -19,7 +19,7 @@ from evflow.errors import ConfigurationError
 from evflow.io import RecordReader
 from evflow.io.records import decode_record
 from evflow.processing.options import ProcessOptions
-from evflow.processing.parallel.farmplan import plan_hosts
+from evflow.processing.parallel.run.farmplan import plan_hosts
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 

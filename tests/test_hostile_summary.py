@@ -14,7 +14,7 @@ import evflow
 from evflow.errors import PeerLostError
 from evflow.io.generators import BusyWork, ToyGenerator
 from evflow.processing.options import ProcessOptions
-from evflow.processing.parallel.engine import Parent
+from evflow.processing.parallel.run.engine import Parent
 from evflow.processing.parallel.split import split_path
 
 

@@ -26,8 +26,9 @@ from evflow.errors import ConfigurationError
 from evflow.io.generators import BusyWork, ToyGenerator
 from evflow.io.records import RecordOutput, RecordReader, decode_record
 from evflow.processing.faults import FaultInjector
-from evflow.processing.parallel import engine, notices
-from evflow.processing.parallel.restarts import RestartPolicy
+from evflow.processing.parallel import notices
+from evflow.processing.parallel.run import engine
+from evflow.processing.parallel.run.restarts import RestartPolicy
 from evflow.processing.parallel.scoreboard import BUSY, IDLE, UNKNOWN
 
 # --- the policy ---------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from evflow.errors import PeerLostError
 from evflow.io.generators import BusyWork, ToyGenerator
 from evflow.io.records import RecordOutput
 from evflow.io.root import RootOutput
-from evflow.processing.parallel.restarts import output_restart_refusal
+from evflow.processing.parallel.run.restarts import output_restart_refusal
 from test_chaos import _kill_role_when
 
 

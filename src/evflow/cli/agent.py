@@ -70,7 +70,7 @@ def _handle(args: argparse.Namespace) -> int:
     lost_s = args.controller_lost_s if args.controller_lost_s is not None else CONTROLLER_LOST_S
     extension = None
     if args.steering:  # a path run's workers on this host
-        from evflow.processing.parallel.pathworkers import PathRunShare, parse_argv
+        from evflow.processing.parallel.run.pathworkers import PathRunShare, parse_argv
 
         extension = PathRunShare(args.steering, parse_argv(args.steering_argv), args.cwd)
     return run_agent(args.bus, args.session, args.host, args.preload, lost_s, extension)

@@ -41,9 +41,9 @@ def run_parallel(path: Path, options: ProcessOptions | None = None) -> RunSummar
     if tcpwire.CAPTURE:  # a host agent loads the steering file for its workers (farm.py)
         raise tcpwire.SplitCaptured(split)
     if options.hosts:
-        from evflow.processing.parallel.farm import FarmParent
+        from evflow.processing.parallel.run.farm import FarmParent
 
         return FarmParent(split, options).run()
-    from evflow.processing.parallel.engine import Parent
+    from evflow.processing.parallel.run.engine import Parent
 
     return Parent(split, options).run()

@@ -166,6 +166,6 @@ def run_role(
 
 
 def current_split() -> SplitPath:
-    from evflow.processing.parallel import state
+    from evflow.processing.parallel import currentsplit
 
-    return state.current()
+    return currentsplit.current()

@@ -13,7 +13,7 @@ from evflow.processing.chain import output_files
 from evflow.processing.failures import groups_from
 from evflow.processing.options import ProcessOptions
 from evflow.processing.parallel.persist import decode_persistent
-from evflow.processing.parallel.restarts import RestartPolicy
+from evflow.processing.parallel.run.restarts import RestartPolicy
 from evflow.processing.parallel.split import SplitPath
 from evflow.processing.statistics import ModuleStatistics
 from evflow.processing.summary import RunSummary

@@ -33,8 +33,8 @@ from evflow.errors import ConfigurationError, SteeringError
 
 def load_split(file: str, argv: list[str], cwd: str | None) -> None:
     """Run the steering file up to its first parallel run; install that split path."""
-    from evflow.processing.parallel import state, tcpwire
-    from evflow.processing.parallel.engine import _preload
+    from evflow.processing.parallel import currentsplit, tcpwire
+    from evflow.processing.parallel.run.engine import _preload
     from evflow.processing.steering import run_steering
 
     if cwd:
@@ -49,7 +49,7 @@ def load_split(file: str, argv: list[str], cwd: str | None) -> None:
     try:
         run_steering(file, {"workers": 1, "quiet": True}, argv=argv)
     except tcpwire.SplitCaptured as captured:
-        state.set_current(captured.split)
+        currentsplit.set_current(captured.split)
         _preload(captured.split)
         return
     finally:

@@ -29,7 +29,7 @@ from evflow.errors import EvflowError, PeerLostError
 from evflow.processing.options import ProcessOptions
 from evflow.processing.parallel import scoreboard, statsboard
 from evflow.processing.parallel.input import checkpoint
-from evflow.processing.parallel.restarts import RestartPolicy, output_restart_refusal
+from evflow.processing.parallel.run.restarts import RestartPolicy, output_restart_refusal
 from evflow.processing.parallel.split import SplitPath
 from evflow.processing.parallel.worker.worker import EXIT_RECYCLE, worker_main
 from evflow.processing.statistics import ModuleStatistics

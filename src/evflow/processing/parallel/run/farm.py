@@ -35,9 +35,9 @@ import zmq
 from evflow.errors import ConfigurationError, PeerLostError
 from evflow.processing.options import ProcessOptions
 from evflow.processing.parallel import scoreboard, tcpwire
-from evflow.processing.parallel.engine import Parent
-from evflow.processing.parallel.farmplan import plan_hosts
 from evflow.processing.parallel.notices import say, stopping_line
+from evflow.processing.parallel.run.engine import Parent
+from evflow.processing.parallel.run.farmplan import plan_hosts
 from evflow.processing.parallel.split import SplitPath
 from evflow.topology.security import farm_security, refusal_line
 from evflow.transport.farmkeys import ENV_CONTROLLER, ENV_HOST, ENV_HOSTS_FILE, ENV_KEYS, key_names

@@ -1,7 +1,7 @@
 """The calling process of a parallel run: start the roles, watch them, stop them.
 
 The caller (the process running the steering file) keeps the split path in
-``state`` and starts the runtime's :class:`~evflow.runtime.supervisor.Supervisor`
+``currentsplit`` and starts the runtime's :class:`~evflow.runtime.supervisor.Supervisor`
 *before* it creates any zmq context: its zygote forks the input, N workers and the
 output, it reaps them, kills them and restarts them, and it relays SIGINT/SIGTERM to
 ``self.signals``, as for any device of a topology. What a death means is the path's
@@ -40,17 +40,17 @@ from evflow.processing import runhooks
 from evflow.processing.chain import output_files
 from evflow.processing.console import is_terminal
 from evflow.processing.options import ProcessOptions
-from evflow.processing.parallel import scoreboard, state, statsboard
+from evflow.processing.parallel import currentsplit, scoreboard, statsboard
 from evflow.processing.parallel.common import channel
-from evflow.processing.parallel.control import ControlMixin
-from evflow.processing.parallel.exitpolicy import ExitPolicy
 from evflow.processing.parallel.input import checkpoint
 from evflow.processing.parallel.input.input import input_main
 from evflow.processing.parallel.notices import say as _say
 from evflow.processing.parallel.notices import stopping_line, warn_many_workers
 from evflow.processing.parallel.output.output import output_main
-from evflow.processing.parallel.restarts import RestartPolicy
-from evflow.processing.parallel.runsummary import LOST, RunSummaryMixin
+from evflow.processing.parallel.run.control import ControlMixin
+from evflow.processing.parallel.run.exitpolicy import ExitPolicy
+from evflow.processing.parallel.run.restarts import RestartPolicy
+from evflow.processing.parallel.run.runsummary import LOST, RunSummaryMixin
 from evflow.processing.parallel.split import SplitPath
 from evflow.processing.statistics import ModuleStatistics
 from evflow.processing.summary import RunSummary
@@ -143,7 +143,7 @@ class Parent(ControlMixin, ExitPolicy, RunSummaryMixin):
     # --- life cycle ---------------------------------------------------------------------
     def run(self) -> RunSummary:
         warn_many_workers(self.n_workers)
-        state.set_current(self.split)
+        currentsplit.set_current(self.split)
         # exact blame: one slot per worker index, shared with every fork of the zygote
         self.board = scoreboard.Scoreboard(self.n_workers)
         scoreboard.install(self.board)
@@ -222,7 +222,7 @@ class Parent(ControlMixin, ExitPolicy, RunSummaryMixin):
             if ctx is not None:
                 ctx.term()
             self.sup.cleanup()  # the session's ipc files and shared-memory segments
-            state.set_current(None)
+            currentsplit.set_current(None)
             scoreboard.install(None)
             self.board.close()
             statsboard.install(None)

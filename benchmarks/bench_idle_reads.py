@@ -3,7 +3,7 @@
     python benchmarks/bench_idle_reads.py [--calls N] [--rounds R]
 
 At every wake-up the caller of a parallel run drains its ``ctl`` ROUTER
-(``ControlMixin._drain_ctl``) and ticks its bus client (``BusClient.poll``); mostly
+(``Parent._drain_ctl``) and ticks its bus client (``BusClient.poll``); mostly
 neither has a message. Printed: CPU microseconds per call (``time.process_time``,
 median of the rounds) on an empty ROUTER and an unconnected bus client. Compare two
 trees by running this with PYTHONPATH pointing at each, alternated.
@@ -19,12 +19,13 @@ from typing import Any
 
 import zmq
 
-from evflow.processing.parallel.run.control import ControlMixin
+from evflow.processing.parallel.run.engine import Parent
 from evflow.runtime.busclient import BusClient
 
 
-class _Parent(ControlMixin):
-    pass
+class _Parent(Parent):
+    def __init__(self) -> None:  # (only its ctl socket, set below: not a run's parent)
+        pass
 
 
 def _cpu_us(call: Callable[[], Any], calls: int) -> float:

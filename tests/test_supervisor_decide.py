@@ -1,6 +1,6 @@
 """Supervisor decide hooks: a caller's policy per death, the supervisor's mechanics.
 
-A path run (processing/parallel/engine.py) gives each role a ``decide`` hook; these
+A path run (processing/parallel/run/engine.py) gives each role a ``decide`` hook; these
 tests hold the supervisor to what that relies on: an immediate restart with new
 arguments and a new name, a delayed one on the supervisor's clock, a restart budget
 shared by a group (given back when a waiting restart is cancelled), an accepted death

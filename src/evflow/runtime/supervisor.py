@@ -17,7 +17,7 @@ at once through ``zygote.fileno()``, and every child dies with the supervisor.
 - **Decisions**: a spec with a ``decide`` hook (processes.py) says per death what
   happens: restart now, later (the supervisor holds the timer), with new arguments,
   taking one of a group's shared :class:`RestartBudget`, or end, or give up. A path run
-  (processing/parallel/engine.py) keeps its policy there and leaves the mechanics here.
+  (processing/parallel/run/engine.py) keeps its policy there and leaves the mechanics here.
 - **Events**: :meth:`~Supervisor.on_exit` callbacks and :meth:`~Supervisor.poll` return
   an :class:`ExitEvent` for each death, as soon as it happens.
 - **Cleanup**: :meth:`~Supervisor.close` removes the session's ipc directory and its

@@ -93,7 +93,7 @@ def preflight(topology_session: str) -> dict[str, Any]:
 class AgentExtension(Protocol):
     """What a caller adds to an agent: work before its zygote forks (so that forks share
     it) and bus commands of its own. A path run's is ``PathRunShare``
-    (processing/parallel/pathworkers.py), handed in by ``evflow agent --steering``."""
+    (processing/parallel/run/pathworkers.py), handed in by ``evflow agent --steering``."""
 
     def before_fork(self) -> None: ...
 
@@ -131,7 +131,7 @@ class Agent:
         self._last_controller = time.monotonic()
         self._next_beat = 0.0
         self.client: BusClient | None = None
-        #: what the caller adds (a path run's workers: processing/parallel/pathworkers.py)
+        #: what the caller adds (a path run's workers: processing/parallel/run/pathworkers.py)
         self.extension = extension
 
     # --- commands ------------------------------------------------------------------

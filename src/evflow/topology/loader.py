@@ -3,7 +3,7 @@ devices, check.
 
 ``spec.py`` builds the dataclasses; the ``[qc.NAME]`` tables are expanded into QC
 merger devices by ``qc/topology_tables.py``, found by name in ``EXPANSIONS``;
-``checks.py`` checks hosts, channels and classes across the devices. This module runs
+``preflight.py`` checks hosts, channels and classes across the devices. This module runs
 them in order, so that none of them imports another back.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from evflow.errors import ConfigurationError
-from evflow.topology import checks
+from evflow.topology import preflight
 from evflow.topology.spec import CollectionSpec, DeviceSpec, TopologySpec, build_spec
 from evflow.transport.hosts import HostSpec
 
@@ -69,8 +69,8 @@ def parse_topology(
             expand = cast(Expansion, pkgutil.resolve_name(target))
             devices = expand(data[table], spec.devices, spec.collections, spec.hosts, source)
             spec = dataclasses.replace(spec, devices=devices)
-    checks.check_hosts(spec)
-    checks.check_channels(spec)
+    preflight.check_hosts(spec)
+    preflight.check_channels(spec)
     if check_classes:
-        checks.check_classes(spec)
+        preflight.check_classes(spec)
     return spec

@@ -142,7 +142,7 @@ def test_the_controller_refuses_each_hostile_message_before_it_changes_anything(
 
     from evflow.runtime.busclient import BusEndpoints
     from evflow.topology.intake import ControllerBus
-    from evflow.topology.records import DeviceRecord, HostRecord
+    from evflow.topology.knowledge import DeviceRecord, HostRecord
     from evflow.topology.resolve import ResolvedDevice
     from evflow.wire.messages import Message
 

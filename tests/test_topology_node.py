@@ -19,8 +19,8 @@ from evflow.runtime.bus import BusClient, BusProxy
 from evflow.runtime.busclient import BusEndpoints
 from evflow.runtime.devices.sink import Sink
 from evflow.topology.intake import ControllerBus
+from evflow.topology.knowledge import DeviceRecord
 from evflow.topology.node import Exchange
-from evflow.topology.records import DeviceRecord
 from evflow.topology.resolve import ResolvedChannel, ResolvedDevice
 from evflow.topology.startup import StartupSteps
 from evflow.wire.messages import MsgType, encode_message

@@ -32,6 +32,7 @@ import zmq
 from evflow.errors import ConfigurationError, EvflowError, PeerLostError
 from evflow.runtime.supervisor import Supervisor
 from evflow.topology.intake import ControllerBus
+from evflow.topology.knowledge import DeviceRecord, HostRecord, violations
 from evflow.topology.launch.base import AgentHandle, get_launcher
 from evflow.topology.protocol import (
     CONNECT_TIMEOUT_S,
@@ -43,7 +44,6 @@ from evflow.topology.protocol import (
     agent_id,
     host_session,
 )
-from evflow.topology.records import DeviceRecord, HostRecord, violations
 from evflow.topology.resolve import ResolvedTopology
 from evflow.topology.security import FarmSecurity, tcp_only_binds
 from evflow.topology.startup import StartupSteps, route_source

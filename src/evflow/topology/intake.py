@@ -28,8 +28,8 @@ from evflow.topology.busfields import (
     str_list,
     str_map,
 )
+from evflow.topology.knowledge import DeviceRecord, HostRecord
 from evflow.topology.protocol import AGENT_PREFIX, CONTROLLER_ID
-from evflow.topology.records import DeviceRecord, HostRecord
 from evflow.wire.messages import BadMessageCounter, Message, MsgType, encode_message, refuse
 
 __all__ = ["ControllerBus"]

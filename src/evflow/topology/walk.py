@@ -26,8 +26,8 @@ import time
 from typing import Any
 
 from evflow.errors import ConfigurationError, TimeoutError_
+from evflow.topology.knowledge import RANK, DeviceRecord
 from evflow.topology.protocol import agent_id, walk_request
-from evflow.topology.records import RANK, DeviceRecord
 
 __all__ = ["GROUPS", "STAGES", "StartupWalk"]
 

@@ -97,7 +97,7 @@ def _load(args: argparse.Namespace) -> Any:
 
 def _security(args: argparse.Namespace, topology: Any) -> Any:
     """The topology's CURVE keys (None: plaintext), or one error naming the fix."""
-    from evflow.topology.security import farm_security
+    from evflow.topology.keypolicy import farm_security
 
     used = {d.host for d in topology.devices.values()}
     hosts_file = args.hosts or (args.topology if "hosts" in _toml_tables(args.topology) else "")

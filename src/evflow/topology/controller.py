@@ -32,6 +32,7 @@ import zmq
 from evflow.errors import ConfigurationError, EvflowError, PeerLostError
 from evflow.runtime.supervisor import Supervisor
 from evflow.topology.intake import ControllerBus
+from evflow.topology.keypolicy import FarmSecurity, tcp_only_binds
 from evflow.topology.knowledge import DeviceRecord, HostRecord, violations
 from evflow.topology.launch.base import AgentHandle, get_launcher
 from evflow.topology.protocol import (
@@ -45,7 +46,6 @@ from evflow.topology.protocol import (
     host_session,
 )
 from evflow.topology.resolve import ResolvedTopology
-from evflow.topology.security import FarmSecurity, tcp_only_binds
 from evflow.topology.startup import StartupSteps, route_source
 from evflow.topology.walk import StartupWalk
 

@@ -15,10 +15,10 @@ from typing import Any
 from evflow.errors import PeerLostError, TimeoutError_
 from evflow.runtime.busclient import PROXY_ID, BusEndpoints
 from evflow.topology.intake import ControllerBus
+from evflow.topology.keypolicy import BusRefusals, FarmSecurity
 from evflow.topology.knowledge import RANK, DeviceRecord, HostRecord
 from evflow.topology.launch.base import AgentHandle
 from evflow.topology.resolve import ResolvedTopology
-from evflow.topology.security import BusRefusals, FarmSecurity
 from evflow.topology.walk import STAGES
 from evflow.transport.address import connectable
 

@@ -39,7 +39,7 @@ from evflow.processing.parallel.notices import say, stopping_line
 from evflow.processing.parallel.run.engine import Parent
 from evflow.processing.parallel.run.farmplan import plan_hosts
 from evflow.processing.parallel.split import SplitPath
-from evflow.topology.security import farm_security, refusal_line
+from evflow.topology.keypolicy import farm_security, refusal_line
 from evflow.transport.farmkeys import ENV_CONTROLLER, ENV_HOST, ENV_HOSTS_FILE, ENV_KEYS, key_names
 from evflow.wire.messages import MsgType, encode_message
 
@@ -110,7 +110,7 @@ class FarmParent(Parent):
         self._next_beat = 0.0
         self._last_tick = time.monotonic()
         self._seq = 0
-        # the one key policy of `evflow up` too (topology/security.py): keys, or plaintext
+        # the one key policy of `evflow up` too (topology/keypolicy.py): keys, or plaintext
         # across hosts only with --insecure; a host without a public key is refused
         # when it connects, and the run goes on without it
         self.hosts_written = isinstance(options.hosts, dict)  # hosts={...}: a file at start

@@ -2,7 +2,7 @@
 
 ``plan_hosts`` reads ``options.hosts`` (a hosts file or a dict) and the counts
 (``workers``, a host's own ``workers``, ``host_workers`` / ``-p h1=2,h2=1``). Its CURVE
-keys are those of ``evflow up`` (topology/security.py).
+keys are those of ``evflow up`` (topology/keypolicy.py).
 """
 
 from __future__ import annotations

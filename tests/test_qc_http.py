@@ -15,7 +15,7 @@ from starlette.exceptions import StarletteDeprecationWarning
 
 from _qc_repo_helpers import gauss_hist, published
 from evflow.errors import NotFoundError
-from evflow.qc import api
+from evflow.qc import repository_api
 from evflow.qc.http import qc_mount
 from evflow.qc.objects import decode_object
 from evflow.qc.quality import Flag, Quality, QualityObject
@@ -60,33 +60,33 @@ def client(db: Path) -> Iterator[TestClient]:
 
 def test_plain_functions_return_json_able_dicts(db: Path) -> None:
     with Repository(db, readonly=True) as repo:
-        latest = api.latest(repo, PATH)
+        latest = repository_api.latest(repo, PATH)
         json.dumps(latest, allow_nan=False)
         assert latest["version"]["run"] == 2 and latest["version"]["valid_until"] is None
         obj = latest["object"]
         assert obj["type"] == "histogram" and obj["axes"][0]["edges"][0] == 0.0
         assert len(obj["values"]) == 40 and obj["sum_with_flow"] == 102
         assert obj["values"] == gauss_hist(102, seed=2).values().tolist()
-        got = api.get(repo, PATH, at=T0 + 1.5)
+        got = repository_api.get(repo, PATH, at=T0 + 1.5)
         assert (got["version"]["run"], got["version"]["cycle"]) == (1, 1)
-        assert api.get(repo, PATH, run=1)["version"]["cycle"] == 1
-        browse = api.browse(repo, "qc/hzz")
+        assert repository_api.get(repo, PATH, run=1)["version"]["cycle"] == 1
+        browse = repository_api.browse(repo, "qc/hzz")
         assert browse["paths"] == ["qc/hzz/arr", PATH] and browse["versions"] == []
-        assert [v["cycle"] for v in api.browse(repo, PATH)["versions"]] == [0, 1, 0]
-        arr = api.latest(repo, "qc/hzz/arr")["object"]
+        assert [v["cycle"] for v in repository_api.browse(repo, PATH)["versions"]] == [0, 1, 0]
+        arr = repository_api.latest(repo, "qc/hzz/arr")["object"]
         assert arr["values"] == [1.0, None, None]  # nan and inf are not JSON
         json.dumps(arr, allow_nan=False)
-        assert api.latest(repo, "qc/other/n")["object"] == {"type": "number", "value": 7}
+        assert repository_api.latest(repo, "qc/other/n")["object"] == {"type": "number", "value": 7}
         categories = hist.Hist.new.StrCat(["e", "mu"], name="flavour").Reg(2, 0, 1).Double()
         categories.fill(["mu", "mu", "e"], [0.2, 0.7, 0.7])
-        as_json = api.object_to_json(categories)
+        as_json = repository_api.object_to_json(categories)
         assert as_json["axes"][0]["categories"] == ["e", "mu"]
         assert as_json["axes"][1]["edges"] == [0.0, 0.5, 1.0]
         assert as_json["values"] == [[0.0, 1.0], [1.0, 1.0]]
-        listing = api.paths(repo)["objects"]
+        listing = repository_api.paths(repo)["objects"]
         assert [(o["path"], o["quality"]) for o in listing][-1] == ("qc/other/n", None)
         with pytest.raises(NotFoundError, match=r"no QC object qc/hzz/pt \(run=9\)"):
-            api.get(repo, PATH, run=9)
+            repository_api.get(repo, PATH, run=9)
 
 
 def test_latest_browse_get_over_http(client: TestClient) -> None:

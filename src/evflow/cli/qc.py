@@ -254,7 +254,7 @@ def write_object(stored: Any, out: Path, repo: Any) -> None:
             with uproot.recreate(out) as f:
                 f[stored.name or stored.path.rsplit("/", 1)[-1]] = obj
         elif out.suffix == ".json":
-            from evflow.qc.api import get
+            from evflow.qc.repository_api import get
 
             out.write_text(json.dumps(get(repo, stored.path, version=stored.id), indent=1))
         else:

@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 
 from evflow.errors import InputError, NotFoundError
-from evflow.qc import api
+from evflow.qc import repository_api
 from evflow.qc.repository import Repository
 
 
@@ -68,13 +68,13 @@ def qc_routes(repo: Repository | str | Path) -> list[Route]:
         return str(request.path_params.get("path", "")).strip("/")
 
     routes = [
-        Route("/latest/{path:path}", endpoint(lambda r, q: api.latest(r, path_of(q)))),
-        Route("/browse", endpoint(lambda r, q: api.browse(r, ""))),
-        Route("/browse/{path:path}", endpoint(lambda r, q: api.browse(r, path_of(q)))),
+        Route("/latest/{path:path}", endpoint(lambda r, q: repository_api.latest(r, path_of(q)))),
+        Route("/browse", endpoint(lambda r, q: repository_api.browse(r, ""))),
+        Route("/browse/{path:path}", endpoint(lambda r, q: repository_api.browse(r, path_of(q)))),
         Route(
             "/get/{path:path}",
             endpoint(
-                lambda r, q: api.get(
+                lambda r, q: repository_api.get(
                     r,
                     path_of(q),
                     at=_number(q, "at", float),
@@ -85,12 +85,14 @@ def qc_routes(repo: Repository | str | Path) -> list[Route]:
         ),
         Route(
             "/objects",
-            endpoint(lambda r, q: api.paths(r, q.query_params.get("prefix", ""))),
+            endpoint(lambda r, q: repository_api.paths(r, q.query_params.get("prefix", ""))),
         ),
         Route(
             "/qualities",
             endpoint(
-                lambda r, q: api.qualities(r, q.query_params.get("check"), _number(q, "run", int))
+                lambda r, q: repository_api.qualities(
+                    r, q.query_params.get("check"), _number(q, "run", int)
+                )
             ),
         ),
         Route("/raw/{version:int}", endpoint(lambda r, q: r.raw(q.path_params["version"]))),

@@ -37,7 +37,7 @@ from evflow.monitor.collector import MetricsStore
 from evflow.monitor.prometheus import CONTENT_TYPE, exposition, make_registry
 from evflow.monitor.web.live import Topic
 from evflow.monitor.web.views import run_view
-from evflow.qc import api as qc_api
+from evflow.qc import repository_api
 from evflow.qc.http import qc_mount
 from evflow.qc.repository import Repository
 
@@ -82,14 +82,14 @@ class QcSource:
         repo = self.repo()
         if repo is None:
             return None
-        rows = qc_api.paths(repo)["objects"]
+        rows = repository_api.paths(repo)["objects"]
         return tuple((r["path"], r["id"], r["quality"]) for r in rows)
 
     def view(self) -> dict[str, Any]:
         repo = self.repo()
         if repo is None:
             return {"repository": str(self.path) if self.path else None, "objects": []}
-        out = qc_api.paths(repo)
+        out = repository_api.paths(repo)
         out["repository"] = str(self.path)
         return out
 

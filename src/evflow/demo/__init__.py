@@ -8,8 +8,8 @@ from evflow.demo.analysis import (
     LeptonSelection,
     MassHistograms,
 )
+from evflow.demo.hzz import DemoResult, build_path, default_workers, hzz_path, run_demo
 from evflow.demo.reco import FourLeptonRefit, ZMassFit
-from evflow.demo.runner import DemoResult, build_path, default_workers, hzz_path, run_demo
 
 __all__ = [
     "CandidateFilter",

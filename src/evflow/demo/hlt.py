@@ -30,7 +30,7 @@ from evflow.demo.analysis import (
     KeepBranches,
     LeptonSelection,
 )
-from evflow.demo.runner import hzz_path
+from evflow.demo.hzz import hzz_path
 from evflow.errors import ConfigurationError, EvflowError, OutputError
 from evflow.event import DataStore
 from evflow.hlt.asyncmodule import AsyncTaskModule

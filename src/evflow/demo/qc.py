@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from evflow.demo.runner import DemoResult, run_demo
+from evflow.demo.hzz import DemoResult, run_demo
 from evflow.errors import OutputError, TimeoutError_
 from evflow.event import DataStore, RunMeta
 from evflow.qc.producer import QcTask
@@ -148,7 +148,7 @@ def run_qc_demo(
     timeout_s: float = 120.0,
 ) -> QcDemoResult:
     """The demo with a QcTask in every worker, a merger and the repository device."""
-    from evflow.demo.runner import default_workers
+    from evflow.demo.hzz import default_workers
     from evflow.qc.layers import MergerSpec, launch_layers
     from evflow.qc.repository_device import repository_channel, run_repository
     from evflow.runtime.supervisor import Supervisor

@@ -226,11 +226,7 @@ class Channel:
             self.messages_out += 1
             return
         if not held:
-            # a batch starts only where one could go now: with no peer (or a full
-            # queue) the message is refused as zmq refuses it, not held for nobody
-            if flags & _NOBLOCK and not self.socket.getsockopt(zmq.EVENTS) & _POLLOUT:  # type: ignore[operator]
-                raise zmq.Again()
-            self._held_until = time.monotonic() + self.batch_us * 1e-6
+            self._open_batch(flags)
         held.append(frames)
         self._held_bytes += size
         self.messages_out += 1
@@ -244,6 +240,14 @@ class Channel:
         ):
             with contextlib.suppress(zmq.Again):  # held: it goes with the next one
                 self._flush_held(flags)
+
+    def _open_batch(self, flags: int) -> None:
+        """Start holding a new batch. It starts only where one could go now: with no
+        peer (or a full queue) a non-blocking send is refused as zmq refuses it, and
+        nothing is held for nobody."""
+        if flags & _NOBLOCK and not self.socket.getsockopt(zmq.EVENTS) & _POLLOUT:  # type: ignore[operator]
+            raise zmq.Again()
+        self._held_until = time.monotonic() + self.batch_us * 1e-6
 
     def flush(self, flags: int = 0) -> None:
         """Send the messages held for a batch now (``zmq.Again`` with ``zmq.NOBLOCK``
@@ -330,9 +334,7 @@ class Channel:
             self.flush(flags)  # full: room first (zmq.Again: none is taken)
         held = self._held
         if not held:
-            if flags & _NOBLOCK and not self.socket.getsockopt(zmq.EVENTS) & _POLLOUT:  # type: ignore[operator]
-                raise zmq.Again()
-            self._held_until = time.monotonic() + self.batch_us * 1e-6
+            self._open_batch(flags)
         held.extend(messages)
         total = sum(sizes)
         self._held_bytes += total

@@ -131,12 +131,10 @@ def decode_message(frames: Sequence[Any]) -> Message:
     """
     if len(frames) < 2:
         raise _bad("short", f"message has {len(frames)} frame(s); expected type and header")
+    fast = decode_fast(frames)  # the common case, data with an empty header
+    if fast is not None:
+        return fast
     first = frames[0]
-    # the common case, data with an empty header: two dict lookups, no msgpack call
-    if type(first) is bytes and frames[1] == _EMPTY_MAP:
-        mtype = _BY_FRAME.get(first)
-        if mtype is not None:
-            return Message(mtype, {}, frames[2:])
     if type(first) is not bytes:
         try:
             first = bytes(first)

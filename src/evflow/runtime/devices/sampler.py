@@ -149,9 +149,7 @@ class Sampler(Device):
             else:
                 if self._burst[i]:  # a batching channel takes a burst in one call
                     n += self._send_burst(out, frames, self._burst[i])
-            self._sent[i] += n
-            self._sent_total += n
-            self._record.counts[i] = self._sent[i]
+            self._count(i, n)
             self.iterations += n - 1  # (one iteration per message, as without bursts)
             if self._n_outs > 1:
                 self._next = (i + 1) % self._n_outs

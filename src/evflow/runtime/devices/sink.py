@@ -98,14 +98,9 @@ class Sink(EndTracker, Device):
 
     def _handle(self, msg: Message, origin: Origin) -> bool:
         if msg.type is MsgType.EVENTS:
-            if not self.received:
-                self._t_first = time.monotonic()
-                self._cpu_first = time.process_time()
-            self.received += 1
-            self.record.counts[0] = self.received  # a SIGKILL loses no count
-            for frame in msg.payload:
-                self.payload_bytes += len(frame)
-                if self._read:
+            self._count_data(1, sum(map(len, msg.payload)))
+            if self._read:
+                for frame in msg.payload:
                     self.checksum ^= read_all(frame)
             if origin.channel.raw:  # no END will come: this one may be the last
                 self._t_last = time.monotonic()
